@@ -325,24 +325,28 @@ def causal_step_bias(distance_bias: Array, position: Array, length: int) -> Arra
 
 def dot_product_attention(query: Array, key: Array, value: Array, biases: Sequence[Array],
                           dropout_rate: float, deterministic: bool,
-                          dropout_rng: Array | None, dtype: Dtype) -> Array:
+                          dropout_rng: Array | None, dtype: Dtype,
+                          heads_major_kv: bool = False) -> Array:
   """Unscaled dot-product attention with float32 logits and softmax.
 
   Args:
     query: [batch, q, heads, kv].
-    key: [batch, k, heads, kv].
-    value: [batch, k, heads, kv].
+    key: [batch, k, heads, kv], or [batch, heads, k, kv] if heads_major_kv.
+    value: like key.
     biases: additive float32 biases broadcastable to [batch, heads, q, k].
     dropout_rate: dropout on the attention weights (mask broadcast over queries, as T5X).
     deterministic: disables dropout.
     dropout_rng: PRNG key for dropout.
     dtype: dtype of the weights used in the value matmul.
+    heads_major_kv: key/value come as [batch, heads, k, kv] (the decode caches'
+      layout, in which both matmuls need no transpose of the long key axis).
 
   Returns:
     [batch, q, heads, kv].
   """
-  # [batch, q, heads, kv] x [batch, k, heads, kv] -> [batch, heads, q, k]
-  logits = jnp.einsum('bqhd,bkhd->bhqk', query, key, preferred_element_type=jnp.float32)
+  kv_axes = 'bhkd' if heads_major_kv else 'bkhd'
+  # [batch, q, heads, kv] x key -> [batch, heads, q, k]
+  logits = jnp.einsum(f'bqhd,{kv_axes}->bhqk', query, key, preferred_element_type=jnp.float32)
   for bias in biases:
     logits = logits + bias
   weights = jax.nn.softmax(logits, axis=-1).astype(dtype)
@@ -351,8 +355,8 @@ def dot_product_attention(query: Array, key: Array, value: Array, biases: Sequen
     keep_shape = weights.shape[:-2] + (1,) + weights.shape[-1:]  # [batch, heads, 1, k]
     keep = jax.random.bernoulli(dropout_rng, keep_prob, keep_shape)
     weights = weights * (keep.astype(dtype) / jnp.asarray(keep_prob, dtype))
-  # [batch, heads, q, k] x [batch, k, heads, kv] -> [batch, q, heads, kv]
-  return jnp.einsum('bhqk,bkhd->bqhd', weights, value)
+  # [batch, heads, q, k] x value -> [batch, q, heads, kv]
+  return jnp.einsum(f'bhqk,{kv_axes}->bqhd', weights, value)
 
 
 class MultiHeadAttention(nn.Module):
@@ -360,11 +364,15 @@ class MultiHeadAttention(nn.Module):
 
   Kernels: query/key/value [embed, heads, kv], out [heads, kv, embed]. With
   `decode=True` the module keeps, in the 'cache' collection, `cached_key` and
-  `cached_value` of shape [batch, cache_length, heads, kv] (batch leading, so
-  beam search can expand or gather them); the step index lives with the caller
-  (the Decoder's 0-d `cache_index`). Self-attention writes one key/value per step,
+  `cached_value` of shape [batch, heads, cache_length, kv] (batch leading, so
+  beam search can expand or gather them; heads before length, so that a decode
+  step's two attention matmuls read the cache in place, where a [batch, length,
+  heads, kv] cache is transposed in full at every step); the step index lives
+  with the caller (the Decoder's 0-d `cache_index`). Self-attention writes one key/value per step,
   so a step costs O(cache_length). Cross-attention (`cross_attention=True`)
-  projects the encoder output once, at step 0, and reuses it afterwards.
+  projects the encoder output once, in the cache-creating call, and only reads
+  it in the steps (no per-step branch or copy: inside a decoding loop the cached
+  projection is loop-invariant).
 
   Attributes:
     num_heads: number of heads.
@@ -395,34 +403,41 @@ class MultiHeadAttention(nn.Module):
     axes = ('batch', 'length', 'heads', 'kv')
     return nn.with_logical_constraint(key, axes), nn.with_logical_constraint(value, axes)
 
-  def _init_cache(self, inputs_kv: Array, cache_length: int | None) -> None:
-    """Creates zero key/value caches [batch, length, heads, kv]."""
-    batch, length = inputs_kv.shape[:2]
-    if not self.cross_attention and cache_length is not None:
-      length = cache_length
-    cache_shape = (batch, length, self.num_heads, self.head_dim)  # [batch, length, heads, kv]
+  def _init_cache(self, key: Array, value: Array, cache_length: int | None) -> None:
+    """Creates the key/value caches [batch, heads, length, kv].
+
+    Self-attention caches start as zeros of `cache_length` (default: the input
+    length); cross-attention caches hold `key`/`value` [batch, k, heads, kv], the
+    projected encoder output.
+    """
+    if self.cross_attention:
+      # [batch, k, heads, kv] -> [batch, heads, k, kv]
+      self.variable('cache', 'cached_key', lambda: jnp.swapaxes(key, 1, 2).astype(self.dtype))
+      self.variable('cache', 'cached_value',
+                    lambda: jnp.swapaxes(value, 1, 2).astype(self.dtype))
+      return
+    batch, length = key.shape[:2]
+    length = length if cache_length is None else cache_length
+    cache_shape = (batch, self.num_heads, length, self.head_dim)  # [batch, heads, length, kv]
     self.variable('cache', 'cached_key', jnp.zeros, cache_shape, self.dtype)
     self.variable('cache', 'cached_value', jnp.zeros, cache_shape, self.dtype)
 
   def _decode_step_kv(self, inputs_kv: Array, decode_position: Array) -> tuple[Array, Array]:
-    """Updates the cache for one step; returns all keys/values [batch, length, heads, kv].
+    """Updates the cache for one step; returns all keys/values [batch, heads, length, kv].
 
     Self-attention writes this step's key/value at decode_position; cross-attention
-    projects inputs_kv at step 0 and reuses the cached projection afterwards.
+    reads the projection cached when the cache was created (inputs_kv is unused).
     """
     cached_key = self.variable('cache', 'cached_key')
     cached_value = self.variable('cache', 'cached_value')
     if self.cross_attention:
-      key, value = nn.cond(decode_position == 0,
-                           lambda mdl, x: mdl._project_kv(x),
-                           lambda mdl, x: (cached_key.value, cached_value.value),
-                           self, inputs_kv)
-    else:
-      new_key, new_value = self._project_kv(inputs_kv)  # [batch, 1, heads, kv]
-      start = (0, decode_position, 0, 0)
-      key = jax.lax.dynamic_update_slice(cached_key.value, new_key.astype(self.dtype), start)
-      value = jax.lax.dynamic_update_slice(cached_value.value, new_value.astype(self.dtype),
-                                           start)
+      return cached_key.value, cached_value.value
+    new_key, new_value = self._project_kv(inputs_kv)  # [batch, 1, heads, kv]
+    new_key = jnp.swapaxes(new_key, 1, 2).astype(self.dtype)  # [batch, heads, 1, kv]
+    new_value = jnp.swapaxes(new_value, 1, 2).astype(self.dtype)  # [batch, heads, 1, kv]
+    start = (0, 0, decode_position, 0)
+    key = jax.lax.dynamic_update_slice(cached_key.value, new_key, start)
+    value = jax.lax.dynamic_update_slice(cached_value.value, new_value, start)
     cached_key.value, cached_value.value = key, value
     return key, value
 
@@ -454,20 +469,22 @@ class MultiHeadAttention(nn.Module):
     query = self._in_projection('query', emb_dim, 1.0 / self.head_dim)(inputs_q)
     query = nn.with_logical_constraint(query, ('batch', 'length', 'heads', 'kv'))
     biases = [mask_bias]
-    if decode and decode_position is not None:
-      key, value = self._decode_step_kv(inputs_kv, decode_position)
+    step = decode and decode_position is not None
+    if step:
+      key, value = self._decode_step_kv(inputs_kv, decode_position)  # [batch, heads, k, kv]
       if not self.cross_attention:
-        biases.append(causal_step_bias(position_bias, decode_position, key.shape[1]))
+        biases.append(causal_step_bias(position_bias, decode_position, key.shape[2]))
     else:
       key, value = self._project_kv(inputs_kv)
       biases.append(position_bias)
       if decode:
-        self._init_cache(inputs_kv, cache_length)
+        self._init_cache(key, value, cache_length)
     dropout_rng = None
     if not deterministic and self.dropout_rate > 0.0:
       dropout_rng = self.make_rng('dropout')
     out = dot_product_attention(query, key, value, [b for b in biases if b is not None],
-                                self.dropout_rate, deterministic, dropout_rng, self.dtype)
+                                self.dropout_rate, deterministic, dropout_rng, self.dtype,
+                                heads_major_kv=step)
     # [batch, q, heads, kv] -> [batch, q, embed]
     return Projection((self.num_heads, self.head_dim, emb_dim), '...hd,hde->...e',
                       ('heads', 'kv', 'embed'), attention_kernel_init(1.0, 'out'),

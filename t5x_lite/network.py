@@ -369,9 +369,11 @@ class Transformer(nn.Module):
     """Decodes to float32 logits [batch, target_len, vocab].
 
     With decode=True and mutable=['cache']: the first call (no cache yet) creates
-    zero caches sized by decoder_input_tokens [batch, max_len] (or max_decode_length)
-    and its logits are meaningless; every later call takes decoder_input_tokens
-    [batch, 1], attends to the cache and advances the decoder's `cache_index`.
+    the caches: zero self-attention caches sized by decoder_input_tokens
+    [batch, max_len] (or max_decode_length), and cross-attention caches holding the
+    projection of `encoded` (pass the same `encoded` to every later call); its
+    logits are meaningless. Every later call takes decoder_input_tokens [batch, 1],
+    attends to the cache and advances the decoder's `cache_index`.
     """
     return self.decoder(encoded, encoder_input_tokens, decoder_input_tokens,
                         decoder_target_tokens, encoder_segment_ids, decoder_segment_ids,

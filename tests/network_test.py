@@ -191,7 +191,7 @@ def test_cache_longer_than_steps_via_max_decode_length():
   _, variables = _encode_and_init_cache(model, params, jnp.ones((2, 1), jnp.int32),
                                         max_decode_length=11)
   cached_key = variables['cache']['decoder']['layers_0']['self_attention']['cached_key']
-  assert cached_key.shape == (2, 11, 4, 8)
+  assert cached_key.shape == (2, 4, 11, 8)  # [batch, heads, length, kv]
 
 
 def test_scan_and_remat_match_plain_network():
