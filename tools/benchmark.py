@@ -1,0 +1,479 @@
+r"""Side-by-side speed of t5x_lite and HF transformers (PyTorch) T5, in one process.
+
+Measures, after warm-up, the median over --reps repetitions of:
+  * training step tokens/s (inputs + targets) with Adafactor: ours is the real
+    `trainer.make_train_step`; HF is `T5ForConditionalGeneration` with
+    `transformers.optimization.Adafactor` (scale_parameter=True, relative_step=False,
+    warmup_init=False, clip_threshold=1.0, decay_rate=-0.8, beta1=None: T5's settings,
+    as in our `optimizers.adafactor`) at the same constant learning rate;
+  * MFU = model FLOP/s (`t5x_lite.flops`) / peak matmul FLOP/s, the peak measured here
+    with a large matmul in the same dtype in jax (used for our MFU) and torch (HF's);
+  * greedy and beam decode tokens/s: exactly --decode_length new tokens per example
+    (min = max length in both; HF `generate(use_cache=True)`), tokens counted once per
+    input example (not per beam), encoder included;
+  * input pipeline examples/s (span corruption + packing, `data_benchmark`) vs the
+    examples/s our train step consumes (train rows/s x examples per packed row);
+  * train-step compile time (jax's trace + lowering + backend compile events) and peak
+    resident memory (`ru_maxrss`, process-wide: jax, torch and tf.data together).
+
+Both models get the same random weights (ours, written with `hf_interop.save_hf`).
+Torch uses as many threads as XLA's CPU backend (the cores this process may run on).
+
+  python tools/benchmark.py --compare_hf --json=/tmp/bench.json
+  python tools/benchmark.py --gin_file=models/t5_1_1/tiny.gin --batch_size=2 \
+      --input_length=32 --target_length=8 --decode_length=4 --reps=2 --compare_hf
+"""
+
+import dataclasses
+import json
+import os
+import resource
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import seqio
+from absl import app, flags
+
+from t5x_lite import cli, data_benchmark, flops, hf_interop, models, network, optimizers
+from t5x_lite import partitioning, trainer
+
+_COMPARE_HF = flags.DEFINE_bool("compare_hf", False, "Also measure HF transformers T5.")
+_JSON = flags.DEFINE_string("json", None, "Write all figures as a JSON object here.")
+_BATCH = flags.DEFINE_integer("batch_size", 8, "Examples per training / decoding batch.")
+_INPUT_LEN = flags.DEFINE_integer("input_length", 512, "Encoder length (train and decode).")
+_TARGET_LEN = flags.DEFINE_integer("target_length", 114, "Decoder length in training.")
+_DECODE_LEN = flags.DEFINE_integer("decode_length", 64, "New tokens per decode (exactly).")
+_BEAMS = flags.DEFINE_integer("num_beams", 4, "Beam size of the beam-search figure.")
+_REPS = flags.DEFINE_integer("reps", 5, "Timed repetitions per figure (median reported).")
+_WARMUP = flags.DEFINE_integer("warmup", 2, "Untimed repetitions before timing.")
+_DTYPE = flags.DEFINE_enum("dtype", "auto", ["auto", "float32", "bfloat16"],
+                           "Activation dtype; auto: float32 on CPU, bfloat16 elsewhere.")
+_MATMUL = flags.DEFINE_integer("matmul_size", 2048, "Square size of the peak matmul.")
+_LR = flags.DEFINE_float("learning_rate", 0.01, "Constant learning rate of both optimizers.")
+_DATA_TASK = flags.DEFINE_string("data_task", "cpython_span_corruption",
+                                 "Task or mixture of the input-pipeline figure ('' skips it).")
+_DATA_BATCHES = flags.DEFINE_integer("data_batches", 30, "Batches timed in the pipeline.")
+_SKIP = flags.DEFINE_list("skip", [], "Figures to skip: train, decode, data.")
+
+DEFAULT_GIN_FILE = "models/t5_1_1/small.gin"
+_COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration",
+                   "/jax/core/compile/jaxpr_to_mlir_module_duration",
+                   "/jax/core/compile/backend_compile_duration")
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+  """What to measure.
+
+  Attributes:
+    config: the network config (its dtype is the measured dtype).
+    batch_size: examples per batch.
+    input_length: encoder length.
+    target_length: decoder length of a training example.
+    decode_length: new tokens per decoded example.
+    num_beams: beam size.
+    reps: timed repetitions.
+    warmup: untimed repetitions.
+    matmul_size: size of the peak-FLOP/s matmul.
+    learning_rate: constant learning rate.
+    threads: CPU threads for torch (XLA's CPU backend uses one per core).
+    compare_hf: measure HF transformers too.
+    data_task: task of the pipeline figure ('' skips it).
+    data_batches: batches timed in the pipeline.
+    skip: figures not measured ('train', 'decode', 'data').
+  """
+
+  config: network.T5Config
+  batch_size: int = 8
+  input_length: int = 512
+  target_length: int = 114
+  decode_length: int = 64
+  num_beams: int = 4
+  reps: int = 5
+  warmup: int = 2
+  matmul_size: int = 2048
+  learning_rate: float = 0.01
+  threads: int = 1
+  compare_hf: bool = False
+  data_task: str = "cpython_span_corruption"
+  data_batches: int = 30
+  skip: tuple[str, ...] = ()
+
+
+def time_median(fn: Callable[[], Any], reps: int, warmup: int) -> tuple[float, list[float]]:
+  """Median wall seconds of `fn()` (which must block until its work is done)."""
+  for _ in range(warmup):
+    fn()
+  times = []
+  for _ in range(reps):
+    start = time.perf_counter()
+    fn()
+    times.append(time.perf_counter() - start)
+  return statistics.median(times), times
+
+
+def max_rss_mib() -> float:
+  """Peak resident memory of this process so far, MiB (Linux reports KiB)."""
+  return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def random_batch(s: Settings, seed: int = 0) -> dict[str, np.ndarray]:
+  """Unpacked, unpadded EncDecFeatureConverter features with random token ids."""
+  rng = np.random.default_rng(seed)
+  vocab = s.config.vocab_size
+  inputs = rng.integers(2, vocab, (s.batch_size, s.input_length), dtype=np.int32)
+  targets = rng.integers(2, vocab, (s.batch_size, s.target_length), dtype=np.int32)
+  decoder_inputs = np.pad(targets[:, :-1], ((0, 0), (1, 0)))  # [batch, target_len]
+  return {"encoder_input_tokens": inputs, "decoder_input_tokens": decoder_inputs,
+          "decoder_target_tokens": targets,
+          "decoder_loss_weights": np.ones_like(targets, np.float32)}
+
+
+# ----------------------------------------------------------------------------- peak
+
+
+def jax_matmul_peak(size: int, dtype: Any, reps: int) -> float:
+  """FLOP/s of a [size, size] @ [size, size] jax matmul in `dtype` (median)."""
+  x = jnp.asarray(np.random.default_rng(0).standard_normal((size, size)), dtype)  # [n, n]
+  y = jnp.asarray(np.random.default_rng(1).standard_normal((size, size)), dtype)  # [n, n]
+  matmul = jax.jit(jnp.matmul)
+  seconds, _ = time_median(lambda: matmul(x, y).block_until_ready(), reps, 2)
+  return 2.0 * size**3 / seconds
+
+
+def torch_matmul_peak(size: int, dtype: Any, reps: int, device: str) -> float:
+  """FLOP/s of a [size, size] @ [size, size] torch matmul in `dtype` (median)."""
+  import torch
+
+  x = torch.randn(size, size, device=device).to(dtype)  # [n, n]
+  y = torch.randn(size, size, device=device).to(dtype)  # [n, n]
+
+  def run() -> None:
+    torch.mm(x, y)
+    if device != "cpu":
+      torch.cuda.synchronize()
+
+  seconds, _ = time_median(run, reps, 2)
+  return 2.0 * size**3 / seconds
+
+
+# ------------------------------------------------------------------------------ ours
+
+
+def make_model(config: network.T5Config) -> models.EncoderDecoderModel:
+  """Our model with a pass-through vocabulary (pad 0, eos 1): ids need no tokenizer."""
+  vocab = seqio.PassThroughVocabulary(config.vocab_size, eos_id=1)
+  return models.EncoderDecoderModel(network.Transformer(config), vocab, vocab)
+
+
+def measure_ours_train(s: Settings, model: models.EncoderDecoderModel,
+                       params_out: dict) -> dict[str, float]:
+  """Trains with the real train step; stores the initial params (numpy) in params_out."""
+  mesh = partitioning.create_mesh()
+  rules = partitioning.standard_logical_axis_rules()
+  optimizer = optimizers.adafactor(learning_rate=s.learning_rate)
+  shapes = {"encoder_input_tokens": (s.batch_size, s.input_length),
+            "decoder_input_tokens": (s.batch_size, s.target_length)}
+  state, shardings = trainer.init_train_state(model, optimizer, shapes, jax.random.PRNGKey(0),
+                                              mesh, rules)
+  params_out["params"] = jax.device_get(state.params)
+  step = trainer.make_train_step(model, optimizer, mesh, rules, shardings)
+  batch = jax.device_put(random_batch(s), partitioning.batch_sharding(mesh))
+  rng = jax.random.PRNGKey(1)
+  compile_seconds = []
+
+  def on_event(event: str, duration: float, **kwargs: Any) -> None:
+    del kwargs
+    if event in _COMPILE_EVENTS:
+      compile_seconds.append(duration)
+
+  jax.monitoring.register_event_duration_secs_listener(on_event)
+  holder = {"state": state}
+  start = time.perf_counter()
+  holder["state"], metrics = step(holder["state"], batch, rng)
+  jax.block_until_ready(metrics)
+  first_call = time.perf_counter() - start
+  jax.monitoring.unregister_event_duration_listener(on_event)
+
+  def run() -> None:
+    holder["state"], metrics = step(holder["state"], batch, rng)
+    jax.block_until_ready(metrics)
+
+  seconds, times = time_median(run, s.reps, max(s.warmup - 1, 0))
+  if not np.isfinite(float(metrics["loss"])):
+    raise RuntimeError("our train step produced a non-finite loss")
+  return {"train_step_s": seconds, "train_step_times_s": times,
+          "train_compile_s": sum(compile_seconds), "train_first_call_s": first_call}
+
+
+def measure_ours_decode(s: Settings, model: models.EncoderDecoderModel,
+                        params: Any) -> dict[str, Any]:
+  """Greedy and beam decode of exactly decode_length tokens, jitted end to end."""
+  batch = {"encoder_input_tokens": random_batch(s, seed=2)["encoder_input_tokens"],
+           "decoder_input_tokens": np.zeros((s.batch_size, s.decode_length), np.int32)}
+  lengths = {"max_decode_len": s.decode_length, "min_decode_len": s.decode_length}
+  greedy = jax.jit(lambda p, b: model.predict_batch(p, b, decoder_params=lengths))
+  beam = jax.jit(lambda p, b: model.predict_batch(
+      p, b, decoder_params=lengths, num_decodes=s.num_beams, decode_fn="beam"))
+  out = {}
+  for name, fn in (("greedy", greedy), ("beam", beam)):
+    seconds, _ = time_median(lambda f=fn: jax.block_until_ready(f(params, batch)),
+                             s.reps, max(s.warmup, 1))
+    out[f"{name}_s"] = seconds
+  out["greedy_tokens"] = np.asarray(greedy(params, batch))
+  out["inputs"] = batch["encoder_input_tokens"]
+  return out
+
+
+# -------------------------------------------------------------------------------- HF
+
+
+def _hf_device() -> str:
+  import torch
+
+  return "cuda" if jax.default_backend() == "gpu" and torch.cuda.is_available() else "cpu"
+
+
+def load_hf_model(s: Settings, params: Any) -> Any:
+  """Our params written with `hf_interop.save_hf` and loaded into transformers."""
+  import torch
+  import transformers
+
+  with tempfile.TemporaryDirectory() as tmp:
+    hf_interop.save_hf(dataclasses.replace(s.config, param_dtype="float32"), params, tmp)
+    hf_model = transformers.T5ForConditionalGeneration.from_pretrained(
+        tmp, dtype=torch.float32)
+  return hf_model.to(_hf_device())
+
+
+def _autocast(s: Settings) -> Any:
+  import contextlib
+
+  import torch
+
+  if s.config.dtype == "float32":
+    return contextlib.nullcontext()
+  return torch.autocast(_hf_device(), dtype=torch.bfloat16)
+
+
+def measure_hf_train(s: Settings, hf_model: Any) -> dict[str, float]:
+  """HF training step (forward, backward, Adafactor) on the same shapes."""
+  import torch
+  from transformers.optimization import Adafactor
+
+  device = _hf_device()
+  batch = {k: torch.from_numpy(v).long().to(device) for k, v in random_batch(s).items()}
+  hf_model.train()
+  optimizer = Adafactor(hf_model.parameters(), lr=s.learning_rate, scale_parameter=True,
+                        relative_step=False, warmup_init=False, clip_threshold=1.0,
+                        decay_rate=-0.8, beta1=None, weight_decay=0.0)
+
+  def run() -> None:
+    with _autocast(s):
+      loss = hf_model(input_ids=batch["encoder_input_tokens"],
+                      decoder_input_ids=batch["decoder_input_tokens"],
+                      labels=batch["decoder_target_tokens"]).loss
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    loss.item()  # waits for the step
+
+  seconds, times = time_median(run, s.reps, s.warmup)
+  return {"hf_train_step_s": seconds, "hf_train_step_times_s": times}
+
+
+def measure_hf_decode(s: Settings, hf_model: Any, inputs: np.ndarray) -> dict[str, Any]:
+  """HF generate (cache on) of exactly decode_length tokens, greedy and beam."""
+  import torch
+
+  hf_model.eval()
+  ids = torch.from_numpy(inputs).long().to(_hf_device())
+  out = {}
+  for name, beams in (("greedy", 1), ("beam", s.num_beams)):
+    kwargs = dict(max_new_tokens=s.decode_length, min_new_tokens=s.decode_length,
+                  num_beams=beams, do_sample=False, use_cache=True)
+    if beams > 1:
+      kwargs["length_penalty"] = 0.6
+
+    def run(kw=kwargs) -> Any:
+      with torch.inference_mode(), _autocast(s):
+        return hf_model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **kw)
+
+    out[f"hf_{name}_s"], _ = time_median(run, s.reps, max(s.warmup, 1))
+    if name == "greedy":
+      out["hf_greedy_tokens"] = run()[:, 1:].cpu().numpy()  # drops the start token
+  return out
+
+
+# ------------------------------------------------------------------------------ data
+
+
+def measure_data(s: Settings) -> dict[str, float]:
+  """Span corruption + packing throughput of `data_task` at the training lengths."""
+  import tasks  # noqa: F401  (registers the built-in tasks)
+
+  lengths = {"inputs": s.input_length, "targets": s.target_length}
+  result = data_benchmark.measure_pipeline(s.data_task, lengths, s.batch_size,
+                                           s.data_batches)
+  return {f"data_{k}": v for k, v in result.items()}
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def _ratio(numerator: float | None, denominator: float | None) -> float | None:
+  if not numerator or not denominator:
+    return None
+  return numerator / denominator
+
+
+def derive(s: Settings, raw: dict[str, Any]) -> dict[str, Any]:
+  """Rates, MFU and speedups from the raw timings."""
+  tokens_per_step = s.batch_size * (s.input_length + s.target_length)
+  flops_per_step = flops.flops_per_token(s.config, s.input_length, s.target_length) * (
+      tokens_per_step)
+  decoded = s.batch_size * s.decode_length
+  out = {"train_tokens_per_step": tokens_per_step, "train_flops_per_step": flops_per_step}
+  for prefix in ("", "hf_"):
+    step = raw.get(f"{prefix}train_step_s")
+    peak = raw.get("jax_peak_flops" if not prefix else "torch_peak_flops")
+    if step:
+      out[f"{prefix}train_tokens_per_s"] = tokens_per_step / step
+      out[f"{prefix}train_model_flops_per_s"] = flops_per_step / step
+      out[f"{prefix}train_mfu"] = _ratio(flops_per_step / step, peak)
+    for name in ("greedy", "beam"):
+      if raw.get(f"{prefix}{name}_s"):
+        out[f"{prefix}{name}_tokens_per_s"] = decoded / raw[f"{prefix}{name}_s"]
+  out["train_speedup_vs_hf"] = _ratio(out.get("train_tokens_per_s"),
+                                      out.get("hf_train_tokens_per_s"))
+  for name in ("greedy", "beam"):
+    out[f"{name}_speedup_vs_hf"] = _ratio(out.get(f"{name}_tokens_per_s"),
+                                          out.get(f"hf_{name}_tokens_per_s"))
+  if raw.get("train_step_s") and raw.get("data_rows_per_s"):
+    examples_per_row = raw["data_examples_per_s"] / raw["data_rows_per_s"]
+    out["train_examples_per_s"] = s.batch_size * examples_per_row / raw["train_step_s"]
+    out["data_vs_train_consumption"] = raw["data_examples_per_s"] / out["train_examples_per_s"]
+  return out
+
+
+def run_benchmark(s: Settings) -> dict[str, Any]:
+  """Measures every figure of `s`; returns one flat dict (raw and derived)."""
+  dtype = s.config.activation_dtype
+  raw: dict[str, Any] = {"backend": jax.default_backend(),
+                         "device_kind": jax.devices()[0].device_kind,
+                         "num_devices": jax.device_count(), "threads": s.threads,
+                         "dtype": s.config.dtype, "config": dataclasses.asdict(s.config),
+                         "settings": {k: v for k, v in dataclasses.asdict(s).items()
+                                      if k != "config"}}
+  raw["jax_peak_flops"] = jax_matmul_peak(s.matmul_size, dtype, s.reps)
+  model = make_model(s.config)
+  holder: dict[str, Any] = {}
+  if "train" not in s.skip:
+    raw.update(measure_ours_train(s, model, holder))
+  else:
+    holder["params"] = jax.device_get(nn.meta.unbox(model.get_initial_variables(
+        jax.random.PRNGKey(0), {"encoder_input_tokens": (1, 8),
+                                "decoder_input_tokens": (1, 8)})["params"]))
+  raw["num_params"] = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(holder["params"]))
+  if "decode" not in s.skip:
+    ours_decode = measure_ours_decode(s, model, holder["params"])
+    raw.update({k: v for k, v in ours_decode.items() if k.endswith("_s")})
+  raw["max_rss_mib_ours"] = max_rss_mib()
+  if s.compare_hf:
+    import torch
+
+    torch.set_num_threads(s.threads)
+    torch_dtype = torch.float32 if s.config.dtype == "float32" else torch.bfloat16
+    raw["torch_peak_flops"] = torch_matmul_peak(s.matmul_size, torch_dtype, s.reps,
+                                                _hf_device())
+    hf_model = load_hf_model(s, holder["params"])
+    raw["hf_num_params"] = sum(p.numel() for p in hf_model.parameters())
+    if "decode" not in s.skip:
+      hf_decode = measure_hf_decode(s, hf_model, ours_decode["inputs"])
+      raw.update({k: v for k, v in hf_decode.items() if k.endswith("_s")})
+      raw["greedy_token_agreement"] = float(np.mean(
+          ours_decode["greedy_tokens"] == hf_decode["hf_greedy_tokens"]))
+    if "train" not in s.skip:
+      raw.update(measure_hf_train(s, hf_model))
+  if s.data_task and "data" not in s.skip:
+    raw.update(measure_data(s))
+  raw["max_rss_mib"] = max_rss_mib()
+  return {**raw, **derive(s, raw)}
+
+
+_ROWS = (
+    ("train tokens/s", "train_tokens_per_s", "hf_train_tokens_per_s", "train_speedup_vs_hf"),
+    ("train MFU", "train_mfu", "hf_train_mfu", None),
+    ("train step s", "train_step_s", "hf_train_step_s", None),
+    ("greedy decode tokens/s", "greedy_tokens_per_s", "hf_greedy_tokens_per_s",
+     "greedy_speedup_vs_hf"),
+    ("beam decode tokens/s", "beam_tokens_per_s", "hf_beam_tokens_per_s",
+     "beam_speedup_vs_hf"),
+    ("peak matmul GFLOP/s", "jax_peak_flops", "torch_peak_flops", None),
+    ("parameters", "num_params", "hf_num_params", None),
+)
+
+
+def _fmt(value: Any) -> str:
+  if value is None:
+    return "-"
+  if isinstance(value, int) or abs(value) >= 1000:
+    return f"{value:,.0f}"
+  return f"{value:.3g}"
+
+
+def format_table(r: dict[str, Any]) -> str:
+  """A plain-text table of the main figures."""
+  lines = [f"{'':26}{'t5x_lite':>14}{'HF torch':>14}{'ours/HF':>10}"]
+  for label, ours, hf, ratio in _ROWS:
+    scale = 1e-9 if "GFLOP" in label else 1.0
+    values = [r.get(ours), r.get(hf)]
+    values = [None if v is None else v * scale for v in values]
+    lines.append(f"{label:26}{_fmt(values[0]):>14}{_fmt(values[1]):>14}"
+                 f"{_fmt(r.get(ratio)) if ratio else '':>10}")
+  extras = (("train compile s", "train_compile_s"), ("train first call s", "train_first_call_s"),
+            ("data examples/s", "data_examples_per_s"),
+            ("train examples/s", "train_examples_per_s"),
+            ("data / train consumption", "data_vs_train_consumption"),
+            ("greedy token agreement", "greedy_token_agreement"),
+            ("max RSS MiB (ours only)", "max_rss_mib_ours"), ("max RSS MiB (all)", "max_rss_mib"))
+  lines += [f"{label:26}{_fmt(r.get(key)):>14}" for label, key in extras if key in r]
+  return "\n".join(lines)
+
+
+def _resolve_dtype(name: str) -> str:
+  if name != "auto":
+    return name
+  return "float32" if jax.default_backend() == "cpu" else "bfloat16"
+
+
+def main(argv: Sequence[str]) -> None:
+  if len(argv) > 1:
+    raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+  cli.parse_gin(flags.FLAGS.gin_file or [DEFAULT_GIN_FILE], flags.FLAGS.gin_bindings,
+                flags.FLAGS.gin_search_paths)
+  config = dataclasses.replace(network.T5Config(), dtype=_resolve_dtype(_DTYPE.value))
+  settings = Settings(
+      config=config, batch_size=_BATCH.value, input_length=_INPUT_LEN.value,
+      target_length=_TARGET_LEN.value, decode_length=_DECODE_LEN.value,
+      num_beams=_BEAMS.value, reps=_REPS.value, warmup=_WARMUP.value,
+      matmul_size=_MATMUL.value, learning_rate=_LR.value,
+      threads=len(os.sched_getaffinity(0)), compare_hf=_COMPARE_HF.value,
+      data_task=_DATA_TASK.value, data_batches=_DATA_BATCHES.value, skip=tuple(_SKIP.value))
+  result = run_benchmark(settings)
+  print(format_table(result))
+  if _JSON.value:
+    with open(_JSON.value, "w") as f:
+      json.dump(result, f, indent=2, sort_keys=True)
+
+
+if __name__ == "__main__":
+  cli.run(main, sys.argv)
