@@ -115,6 +115,35 @@ def gather_cache_beams(cache: PyTree, beam_indices: jax.Array, beam_size: int) -
     return jax.tree.map(gather, cache)
 
 
+def gather_rewritten_cache_beams(
+    new_cache: PyTree, old_cache: PyTree, beam_indices: jax.Array, beam_size: int
+) -> PyTree:
+    """`gather_cache_beams` on the leaves a step rewrote; the others are kept as they are.
+
+    A leaf that `tokens_to_logits` returned unchanged (the very same array, e.g. the
+    cross-attention keys/values cached from the encoder output) still holds what
+    `expand_to_beams` put there, identical for every beam of a batch row, so
+    reordering its beams would copy it onto itself. Skipping it saves copying the
+    largest part of an encoder-decoder cache at every step.
+
+    Args:
+      new_cache: the cache returned by the step, leaves [batch * beam_size, ...] or 0-d.
+      old_cache: the cache the step was given (same structure).
+      beam_indices: [batch, beam_size] int, source beam of each new beam.
+      beam_size: beams per batch row.
+
+    Returns:
+      new_cache with its rewritten leaves' rows taken from the selected source beams.
+    """
+
+    def gather(new: jax.Array, old: jax.Array) -> jax.Array:
+        if new is old:
+            return new
+        return gather_cache_beams(new, beam_indices, beam_size)
+
+    return jax.tree.map(gather, new_cache, old_cache)
+
+
 def length_penalty(length: jax.Array | int, alpha: float) -> jax.Array:
     """T5X/GNMT length penalty ((5 + length) / 6) ** alpha; scores are log-prob / this."""
     return jnp.power((5.0 + jnp.asarray(length, jnp.float32)) / 6.0, alpha)
@@ -438,7 +467,7 @@ def _beam_step(
         finished_seqs=finished[0],
         finished_scores=finished[1],
         finished_flags=finished[2],
-        cache=gather_cache_beams(cache, source_beams, beam_size),
+        cache=gather_rewritten_cache_beams(cache, state.cache, source_beams, beam_size),
     )
 
 
