@@ -24,3 +24,16 @@ def test_gin_shorthand_is_rewritten_into_bindings():
   argv = cli.rewrite_gin_args(["prog", "--gin.MODEL_DIR=./runs/x", "--gin.TRAIN_STEPS=5"])
   assert argv == ["prog", "--gin_bindings=MODEL_DIR = './runs/x'",
                   "--gin_bindings=TRAIN_STEPS = 5"]
+
+
+def test_cpu_xla_flags_are_added_without_overriding_the_users():
+  environ = {}
+  assert cli.add_cpu_xla_flags(environ) == "--xla_cpu_experimental_ynn_fusion_type=-reduce"
+  environ = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+  assert cli.add_cpu_xla_flags(environ).split() == [
+      "--xla_force_host_platform_device_count=8",
+      "--xla_cpu_experimental_ynn_fusion_type=-reduce"]
+  # A value the user chose is kept, and a second call adds nothing.
+  environ = {"XLA_FLAGS": "--xla_cpu_experimental_ynn_fusion_type="}
+  assert cli.add_cpu_xla_flags(environ) == "--xla_cpu_experimental_ynn_fusion_type="
+  assert cli.add_cpu_xla_flags(environ) == "--xla_cpu_experimental_ynn_fusion_type="
