@@ -141,10 +141,14 @@ def random_batch(s: Settings, seed: int = 0) -> dict[str, np.ndarray]:
 
 
 def jax_matmul_peak(size: int, dtype: Any, reps: int) -> float:
-  """FLOP/s of a [size, size] @ [size, size] jax matmul in `dtype` (median)."""
+  """FLOP/s of a [size, size] @ [size, size] jax matmul of `dtype` inputs (median).
+
+  Accumulates in float32, as matmul units do (XLA:CPU's bf16-output dot is a slower
+  path than bf16 inputs with a float32 result).
+  """
   x = jnp.asarray(np.random.default_rng(0).standard_normal((size, size)), dtype)  # [n, n]
   y = jnp.asarray(np.random.default_rng(1).standard_normal((size, size)), dtype)  # [n, n]
-  matmul = jax.jit(jnp.matmul)
+  matmul = jax.jit(lambda a, b: jnp.matmul(a, b, preferred_element_type=jnp.float32))
   seconds, _ = time_median(lambda: matmul(x, y).block_until_ready(), reps, 2)
   return 2.0 * size**3 / seconds
 
