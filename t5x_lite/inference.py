@@ -15,13 +15,11 @@ evaluation inside the training loop:
 * `ModelRunner`: predict / score numpy batches with one jitted function each,
   params sharded by their logical axes, batches over the mesh's 'data' axis,
   outputs replicated (so every host can read them).
-* `decode_speed`: decode tokens/s of a random-init model (benchmarks).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -30,7 +28,6 @@ import gin
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
-import seqio
 from absl import logging
 from etils import epath
 from jax.sharding import NamedSharding, PartitionSpec
@@ -262,55 +259,3 @@ class ModelRunner:
             scores = self._score(params, placed)
         return np.asarray(scores)[:rows]
 
-
-def decode_speed(config: network.T5Config, *, decode_fn: str = "greedy", num_decodes: int = 1,
-                 batch_size: int = 8, input_length: int = 512, new_tokens: int = 64,
-                 repeats: int = 3) -> dict[str, float]:
-    """Decode throughput of a random-init model on random inputs (all devices, one mesh).
-
-    EOS is blocked until `new_tokens`, so every call generates exactly that many
-    tokens per row; beams are not counted as extra tokens.
-
-    Args:
-      config: network config (e.g. T5 1.1 small).
-      decode_fn: 'greedy', 'beam' or 'sample'.
-      num_decodes: beam size / samples.
-      batch_size: rows per call.
-      input_length: encoder tokens per row.
-      new_tokens: decoded tokens per row.
-      repeats: timed calls after one compile call; the best is reported.
-
-    Returns:
-      {'tokens_per_sec', 'seconds_per_batch', 'compile_seconds'}.
-    """
-    vocabulary = seqio.PassThroughVocabulary(size=config.vocab_size, eos_id=1)
-    model = models.EncoderDecoderModel(network.Transformer(config), vocabulary, vocabulary)
-    mesh = partitioning.create_mesh()
-    rules = partitioning.standard_logical_axis_rules()
-    _, shardings = abstract_params(model, mesh, rules)
-    shapes = {"encoder_input_tokens": (1, 1), "decoder_input_tokens": (1, 1)}
-    with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
-        params = jax.jit(lambda k: nn.meta.unbox(model.get_initial_variables(k, shapes)["params"]),
-                         out_shardings=shardings)(jax.random.PRNGKey(0))
-    decode = DecodeConfig(decode_fn=decode_fn, num_decodes=num_decodes,
-                          min_decode_len=new_tokens, max_decode_len=new_tokens)
-    runner = ModelRunner(model, mesh, rules, shardings, decode, batch_size)
-    rng = np.random.default_rng(0)
-    batch = {
-        "encoder_input_tokens": rng.integers(2, config.vocab_size, (batch_size, input_length),
-                                             dtype=np.int32),  # [batch, input_length]
-        "decoder_input_tokens": np.zeros((batch_size, new_tokens), np.int32),
-    }
-    start = time.perf_counter()
-    tokens, _ = runner.predict(params, batch)
-    compile_seconds = time.perf_counter() - start
-    if (tokens == vocabulary.eos_id).any() or tokens.shape != (batch_size, new_tokens):
-        raise RuntimeError(f"Decoding stopped early or has the wrong shape {tokens.shape}.")
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        runner.predict(params, batch)
-        times.append(time.perf_counter() - start)
-    best = min(times)
-    return {"tokens_per_sec": batch_size * new_tokens / best, "seconds_per_batch": best,
-            "compile_seconds": compile_seconds - best}

@@ -177,14 +177,6 @@ def test_bad_inputs_are_named(ckpt, tmp_path):
     assert not (tmp_path / "out.jsonl").exists()
 
 
-def test_decode_speed_decodes_full_length():
-    # decode_speed raises if a row stopped before new_tokens (EOS must be blocked).
-    stats = inference.decode_speed(_config(), batch_size=8, input_length=16, new_tokens=4,
-                                   repeats=1)
-    assert stats["tokens_per_sec"] == pytest.approx(8 * 4 / stats["seconds_per_batch"])
-    assert stats["compile_seconds"] > 0
-
-
 def test_infer_entry_point(tmp_path):
     _write_checkpoint(tmp_path / "ckpt", _config(vocab_size=8192))  # the offline vocabulary
     source = _jsonl(tmp_path / "in.jsonl", [{"inputs": t, "targets": "x"} for t in INPUTS[:3]])
