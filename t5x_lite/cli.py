@@ -25,19 +25,28 @@ Use:  `cli.run(main)` in an entry point; `main` calls `cli.setup()` first.
 from __future__ import annotations
 
 import ast
+import importlib
 import logging as logging_std
 import os
 import sys
 from collections.abc import Callable, Sequence
+from typing import Any, NoReturn
 
 import gin
+import gin.resource_reader as resource_reader
 import jax
 import seqio
 from absl import app, flags, logging
 
+from t5x_lite.errors import ConfigError, UserError
+
 REPO_GIN_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "gin")
 DEFAULT_GIN_SEARCH_PATHS = (REPO_GIN_DIR, os.path.join(REPO_GIN_DIR, "models"))
 _GIN_SHORTHAND = "--gin."
+# How gin's RuntimeError for an unbound `gin.REQUIRED` Python default begins.
+_GIN_MISSING_BINDINGS = "Required bindings for"
+# T5X's gin macro for the module(s) that register the run's tasks.
+TASK_MODULE_MACRO = "MIXTURE_OR_TASK_MODULE"
 # Library sources whose INFO logs are dropped (their warnings still show).
 QUIET_LIBRARY_PATHS = (f"{os.sep}orbax{os.sep}", f"{os.sep}seqio{os.sep}",
                        f"{os.sep}tensorflow{os.sep}")
@@ -62,11 +71,17 @@ flags.DEFINE_multi_string("gin_bindings", [], "Gin bindings, applied after the f
 flags.DEFINE_list("gin_search_paths", list(DEFAULT_GIN_SEARCH_PATHS),
                   "Directories searched for --gin_file and gin `include`s.")
 flags.DEFINE_string("tfds_data_dir", None, "Overrides the TFDS data dir of seqio tasks.")
+flags.DEFINE_multi_string(
+    "module_import", [],
+    "Module(s) that register seqio tasks, e.g. my_tasks for ./my_tasks.py; imported "
+    "before the gin files are parsed, from the working directory or PYTHONPATH.")
 flags.DEFINE_string("data_dir", None,
                     "Directory of local-file tasks; shorthand for --gin.local_data_dir.path.")
 flags.DEFINE_string("coordinator_address", None, "Multi-host: 'host:port' of process 0.")
 flags.DEFINE_integer("process_count", None, "Multi-host: number of processes.")
 flags.DEFINE_integer("process_index", None, "Multi-host: index of this process.")
+flags.DEFINE_bool("verbose", False,
+                  "Print the traceback of expected errors too (by default: one ERROR line).")
 
 
 def _gin_value(value: str) -> str:
@@ -100,9 +115,62 @@ def rewrite_gin_args(argv: Sequence[str]) -> list[str]:
       continue
     name, sep, value = arg[len(_GIN_SHORTHAND):].partition("=")
     if not sep or not name:
-      raise ValueError(f"Expected --gin.NAME=VALUE, got {arg!r}")
+      raise ConfigError(f"Expected --gin.NAME=VALUE, got {arg!r}")
     rewritten.append(f"--gin_bindings={name} = {_gin_value(value)}")
   return rewritten
+
+
+def _package_resource_exists(config_path: str) -> bool:
+  """gin's package-resource check, False instead of a crash on a namespace package.
+
+  gin looks up `include 'runs/pretrain.gin'` as a resource of an importable package
+  `runs` when `./runs/pretrain.gin` is not a file; with a `./runs/` folder of
+  checkpoints in the working directory (`python -m` puts it on sys.path) that is a
+  namespace package without a file, and gin's check raises TypeError instead of
+  moving on to the next search path.
+  """
+  try:
+    return resource_reader.system_path_file_exists(config_path)
+  except (TypeError, AttributeError, OSError):
+    return False
+
+
+def _use_safe_package_reader() -> None:
+  """Swaps gin's package-resource existence check for `_package_resource_exists`."""
+  readers = gin.config._FILE_READERS  # pylint: disable=protected-access
+  for i, (reader, exists) in enumerate(readers):
+    if exists is resource_reader.system_path_file_exists:
+      readers[i] = (reader, _package_resource_exists)
+
+
+def _resolved_macro(value: Any) -> Any:
+  """The value a gin macro evaluates to, following `%OTHER` and `%gin.REQUIRED`."""
+  while isinstance(value, gin.config.ConfigurableReference) and value.evaluate:
+    if value.selector not in ("gin.macro", "gin.constant"):
+      return value
+    value = value.scoped_configurable_fn()
+  return value
+
+
+def unset_required_macros() -> list[str]:
+  """Names of the gin macros still set to `%gin.REQUIRED` after parsing, sorted."""
+  config = gin.config._CONFIG  # pylint: disable=protected-access
+  return sorted(name for (name, selector), params in config.items()
+                if selector == "gin.macro" and _resolved_macro(params.get("value")) is gin.REQUIRED)
+
+
+def check_required_macros(optional: Sequence[str] = ()) -> None:
+  """Raises ConfigError naming every `%gin.REQUIRED` macro left unset (except `optional`)."""
+  missing = [name for name in unset_required_macros() if name not in optional]
+  if not missing:
+    return
+  how = " ".join(f"--gin.{name}=..." for name in missing)
+  raise ConfigError(
+      f"gin macro{'s' if len(missing) > 1 else ''} {', '.join(missing)} "
+      f"{'are' if len(missing) > 1 else 'is'} required (%gin.REQUIRED) but never set: "
+      f"add {how}, or set {'them' if len(missing) > 1 else 'it'} in a gin file given after "
+      "the one that requires it (a later file that includes runs/*.gin resets what an "
+      "earlier file set)")
 
 
 def parse_gin(
@@ -110,7 +178,7 @@ def parse_gin(
     bindings: Sequence[str],
     search_paths: Sequence[str] = DEFAULT_GIN_SEARCH_PATHS,
 ) -> None:
-  """Parses gin files then bindings; unknown names raise naming the binding.
+  """Parses gin files then bindings.
 
   Import every module whose configurables the files name before calling this.
 
@@ -118,10 +186,53 @@ def parse_gin(
     gin_files: files, absolute/relative or relative to a search path.
     bindings: 'NAME = VALUE' strings.
     search_paths: directories for files and `include` statements.
+
+  Raises:
+    ConfigError: a missing file, a syntax error, an unknown configurable or
+      parameter, or a module gin cannot import; the message names the file and
+      line or the binding.
   """
+  _use_safe_package_reader()
   for path in search_paths:
     gin.add_config_file_search_path(path)  # a repeated path is harmless
-  gin.parse_config_files_and_bindings(list(gin_files), list(bindings), finalize_config=False)
+  try:
+    gin.parse_config_files_and_bindings(list(gin_files), list(bindings),
+                                        finalize_config=False)
+  except (OSError, SyntaxError, ValueError, ImportError, KeyError, TypeError) as e:
+    raise ConfigError(_one_line_gin_error(e)) from e
+
+
+def _one_line_gin_error(error: Exception) -> str:
+  """gin's error message (with its `In file ..., line N` or `In bindings string`) on one line."""
+  message = str(error)
+  if isinstance(error, OSError) and "Unable to open file" in message:
+    message = message.replace("Unable to open file", "gin file not found")
+  if isinstance(error, ModuleNotFoundError):
+    message = (f"{message}: a gin `import` or --module_import names a module that is not on "
+               "the Python path (the working directory is searched first)")
+  return " ".join(line.strip() for line in message.splitlines() if line.strip())
+
+
+def import_task_modules(modules: Sequence[str]) -> None:
+  """Imports modules that register seqio tasks, finding them in the working directory too.
+
+  Args:
+    modules: module names, e.g. `my_tasks` for `./my_tasks.py`.
+
+  Raises:
+    ConfigError: naming a module that cannot be found.
+  """
+  if "" not in sys.path and os.getcwd() not in sys.path:
+    sys.path.insert(0, os.getcwd())
+  for module in modules:
+    try:
+      importlib.import_module(module)
+    except ModuleNotFoundError as e:
+      if e.name and module.startswith(e.name):
+        raise ConfigError(
+            f"--module_import={module}: no module {e.name!r} in the working directory "
+            f"({os.getcwd()}) or on PYTHONPATH") from e
+      raise
 
 
 def initialize_distributed() -> None:
@@ -154,16 +265,39 @@ class _QuietLibraryInfo(logging_std.Filter):
     return not any(part in record.pathname for part in QUIET_LIBRARY_PATHS)
 
 
-def setup() -> None:
-  """Multi-host init, TFDS dir, gin parsing: the first call of an entry point."""
+def setup(optional_macros: Sequence[str] = ()) -> None:
+  """Multi-host init, TFDS dir, task modules, gin: the first call of an entry point.
+
+  Args:
+    optional_macros: `%gin.REQUIRED` macros this run does not need (e.g.
+      MODEL_DIR for --precompile); every other one must be set.
+
+  Raises:
+    ConfigError: a bad gin file or binding, an unset required macro, or a task
+      module that cannot be imported.
+  """
   logging.get_absl_handler().addFilter(_QuietLibraryInfo())
   initialize_distributed()
   if FLAGS.tfds_data_dir:
     seqio.set_tfds_data_dir_override(FLAGS.tfds_data_dir)
+  import_task_modules(FLAGS.module_import)
   bindings = list(FLAGS.gin_bindings)
   if FLAGS.data_dir:
     bindings.append(f"local_data_dir.path = {FLAGS.data_dir!r}")
   parse_gin(FLAGS.gin_file, bindings, FLAGS.gin_search_paths)
+  import_task_modules(_task_module_macro())
+  check_required_macros(optional_macros)
+
+
+def _task_module_macro() -> list[str]:
+  """The gin macro MIXTURE_OR_TASK_MODULE (T5X's name) as a list of modules to import."""
+  try:
+    value = _resolved_macro(gin.query_parameter(f"%{TASK_MODULE_MACRO}"))
+  except ValueError:  # not bound
+    return []
+  if value is None or value is gin.REQUIRED:
+    return []
+  return [value] if isinstance(value, str) else list(value)
 
 
 def add_cpu_xla_flags(environ: dict[str, str] | None = None) -> str:
@@ -179,8 +313,44 @@ def add_cpu_xla_flags(environ: dict[str, str] | None = None) -> str:
   return environ["XLA_FLAGS"]
 
 
+def fail(message: str) -> NoReturn:
+  """Prints `ERROR: message` on stderr and exits with status 1.
+
+  gin's `In call to configurable ...` notes, which it appends to every error raised
+  inside a configurable, are dropped: the message itself names what is wrong.
+  """
+  lines = [line for line in message.splitlines()
+           if not line.strip().startswith("In call to configurable")]
+  print("ERROR: " + "\n".join(lines), file=sys.stderr, flush=True)
+  sys.exit(1)
+
+
+def _reporting_errors(main: Callable[[Sequence[str]], None]) -> Callable[[Sequence[str]], None]:
+  """`main` with `UserError`s reported as one `ERROR:` line (traceback with --verbose)."""
+
+  def wrapped(argv: Sequence[str]) -> None:
+    try:
+      main(argv)
+    except UserError as e:
+      if FLAGS.verbose:
+        logging.exception("Traceback of the error below:")
+      fail(str(e))
+    except RuntimeError as e:  # gin: a Python default of gin.REQUIRED left unbound
+      if not str(e).startswith(_GIN_MISSING_BINDINGS):
+        raise
+      if FLAGS.verbose:
+        logging.exception("Traceback of the error below:")
+      fail(f"{e}: bind them in a gin file or with --gin.NAME=VALUE")
+
+  return wrapped
+
+
 def run(main: Callable[[Sequence[str]], None], argv: Sequence[str] | None = None) -> None:
-  """`absl.app.run(main)` with the `--gin.NAME=VALUE` shorthand rewritten and
-  `CPU_XLA_FLAGS` added to XLA_FLAGS."""
+  """`absl.app.run(main)` with the `--gin.NAME=VALUE` shorthand rewritten,
+  `CPU_XLA_FLAGS` added to XLA_FLAGS and `UserError`s reported as one line."""
   add_cpu_xla_flags()
-  app.run(main, argv=rewrite_gin_args(sys.argv if argv is None else argv))
+  try:
+    argv = rewrite_gin_args(sys.argv if argv is None else argv)
+  except ConfigError as e:
+    fail(str(e))
+  app.run(_reporting_errors(main), argv=argv)

@@ -38,6 +38,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from t5x_lite import data, flops, models, optimizers, partitioning, train_loop, trainer
+from t5x_lite.errors import UserError
 
 INSTALL_HINT = "pip install -e '.[tpu]'"
 GIB = 2**30
@@ -85,7 +86,7 @@ GENERATIONS: dict[str, TpuGeneration] = {
 _CHIPS_PER_HOST = (2, 2, 1)  # libtpu's default host bounds; smaller slices get their own shape
 
 
-class PrecompileError(ValueError):
+class PrecompileError(UserError, ValueError):
   """Bad precompile input: topology name, mesh size or missing libtpu."""
 
 

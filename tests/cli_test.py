@@ -1,10 +1,17 @@
 """Tests of the shared entry-point flags (t5x_lite.cli)."""
 
+import os
+import subprocess
+import sys
+
 import gin
+import pytest
 from absl import flags
 
 import tasks  # noqa: F401  (registers local_data_dir through tasks.local)
-from t5x_lite import cli, file_sources
+from t5x_lite import cli, errors, file_sources
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_data_dir_flag_sets_local_data_dir(tmp_path):
@@ -37,3 +44,90 @@ def test_cpu_xla_flags_are_added_without_overriding_the_users():
   environ = {"XLA_FLAGS": "--xla_cpu_experimental_ynn_fusion_type="}
   assert cli.add_cpu_xla_flags(environ) == "--xla_cpu_experimental_ynn_fusion_type="
   assert cli.add_cpu_xla_flags(environ) == "--xla_cpu_experimental_ynn_fusion_type="
+
+
+def test_gin_includes_resolve_beside_a_runs_folder(tmp_path, monkeypatch):
+  # `python -m` puts the working directory on sys.path; the quickstart leaves ./runs/
+  # there, which made gin's package-resource lookup of 'runs/finetune.gin' crash.
+  (tmp_path / "runs" / "quickstart").mkdir(parents=True)
+  monkeypatch.chdir(tmp_path)
+  monkeypatch.syspath_prepend(str(tmp_path))
+  gin.clear_config()
+  try:
+    cli.parse_gin(["quickstart_finetune.gin"], [])
+    assert gin.query_parameter("%MODEL_DIR") == "./runs/quickstart_ft"
+  finally:
+    gin.clear_config()
+
+
+def test_gin_errors_name_the_file_or_binding():
+  gin.clear_config()
+  with pytest.raises(errors.ConfigError, match="gin file not found: no_such.gin"):
+    cli.parse_gin(["no_such.gin"], [])
+  with pytest.raises(errors.ConfigError, match="No configurable matching 'Nope'.*Nope.x = 1"):
+    cli.parse_gin(["quickstart.gin"], ["Nope.x = 1"])
+  gin.clear_config()
+
+
+def test_required_macro_reset_by_a_later_file_is_named():
+  # runs/finetune.gin includes runs/pretrain.gin, which sets TASK_FEATURE_LENGTHS and
+  # INITIAL_CHECKPOINT_PATH back to %gin.REQUIRED after quickstart.gin set the former.
+  gin.clear_config()
+  try:
+    cli.parse_gin(["quickstart.gin", "runs/finetune.gin"], [])
+    with pytest.raises(errors.ConfigError, match=r"INITIAL_CHECKPOINT_PATH, .*TASK_FEATURE_LENGTHS"):
+      cli.check_required_macros()
+    gin.clear_config()
+    cli.parse_gin(["quickstart.gin"], [])
+    cli.check_required_macros()  # everything set
+    gin.clear_config()
+    cli.parse_gin(["runs/pretrain.gin"], ["MIXTURE_OR_TASK_NAME = 'x'",
+                                          "TASK_FEATURE_LENGTHS = {'inputs': 8}"])
+    cli.check_required_macros(optional=("MODEL_DIR", "TRAIN_STEPS"))  # --precompile
+    with pytest.raises(errors.ConfigError, match="MODEL_DIR, TRAIN_STEPS are required"):
+      cli.check_required_macros()
+  finally:
+    gin.clear_config()
+
+
+def test_task_modules_are_found_in_the_working_directory(tmp_path, monkeypatch):
+  # A tool run as `python tools/x.py` has tools/ on sys.path, not the working directory.
+  (tmp_path / "cli_test_user_tasks.py").write_text("REGISTERED = True\n")
+  monkeypatch.chdir(tmp_path)
+  monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+  cli.import_task_modules(["cli_test_user_tasks"])
+  assert sys.modules["cli_test_user_tasks"].REGISTERED
+  with pytest.raises(errors.ConfigError, match="no module 'cli_test_no_such_module'"):
+    cli.import_task_modules(["cli_test_no_such_module"])
+  # T5X's gin macro names the module too.
+  (tmp_path / "cli_test_macro_tasks.py").write_text("REGISTERED = True\n")
+  gin.clear_config()
+  flags.FLAGS.unparse_flags()
+  flags.FLAGS(["prog", "--gin_file=quickstart.gin",
+               "--gin_bindings=MIXTURE_OR_TASK_MODULE = 'cli_test_macro_tasks'"])
+  try:
+    cli.setup()
+    assert sys.modules["cli_test_macro_tasks"].REGISTERED
+  finally:
+    flags.FLAGS.unparse_flags()
+    gin.clear_config()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("args, message", [
+    (["--gin_file=quickstart.gin", "--gin.train.total_stpes=3"],
+     "ERROR: Configurable 'train' doesn't have a parameter named 'total_stpes'"),
+    (["--gin_file=quickstart.gin", "--gin_file=runs/finetune.gin"],
+     "ERROR: gin macros INITIAL_CHECKPOINT_PATH, TASK_FEATURE_LENGTHS are required"),
+    (["--gin_file=no_such.gin"], "ERROR: gin file not found: no_such.gin"),
+    (["--gin_file=quickstart.gin", "--module_import=cli_test_no_such_module"],
+     "ERROR: --module_import=cli_test_no_such_module: no module"),
+])
+def test_entry_point_reports_bad_input_in_one_line(tmp_path, args, message):
+  (tmp_path / "runs").mkdir()
+  result = subprocess.run([sys.executable, "-m", "t5x_lite.train", *args], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, PYTHONPATH=REPO))
+  assert result.returncode == 1, result.stderr[-2000:]
+  assert "Traceback" not in result.stderr, result.stderr[-2000:]
+  assert result.stderr.strip().splitlines()[-1].startswith(message), result.stderr[-2000:]

@@ -8,14 +8,13 @@ For a task it prints, per example: the raw record from the data source, the
 preprocessed text (the *_pretokenized features), the token ids with their
 pieces, and then the batch the model sees after
 `seqio.EncDecFeatureConverter(pack=True)`. For a mixture it first prints each
-task's sampling rate, then the mixed examples. Your own task modules can be
+task's sampling rate, then the mixed examples. Last, per task and feature, how
+many of the first --truncation_examples examples of the split are longer than
+--sequence_length and would be truncated. Your own task modules can be
 loaded with --module_import=my_tasks or a gin file that does `import my_tasks`;
 --gin_bindings set e.g. the data directory: "local_data_dir.path = '/data'".
 """
 
-import difflib
-import importlib
-import sys
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -23,7 +22,8 @@ import seqio
 import tensorflow as tf
 from absl import app, flags, logging
 
-from t5x_lite import cli, mixing
+from t5x_lite import cli, data, mixing
+from t5x_lite.errors import ConfigError
 
 _LIST = flags.DEFINE_bool("list", False, "Print every registered task and mixture, one a line.")
 _NUM_EXAMPLES = flags.DEFINE_integer("num_examples", 2, "Examples to show per stage.")
@@ -32,36 +32,24 @@ _SEQUENCE_LENGTH = flags.DEFINE_string(
     "sequence_length", "inputs=128,targets=32", "Task feature lengths, e.g. inputs=512,targets=114."
 )
 _SEED = flags.DEFINE_integer("seed", 0, "Seed for preprocessing randomness.")
-_MODULE_IMPORT = flags.DEFINE_multi_string("module_import", [], "Modules that register tasks.")
-
-
-def registered_names() -> list[str]:
-    """Every registered task and mixture name, sorted."""
-    return sorted(set(seqio.TaskRegistry.names()) | set(seqio.MixtureRegistry.names()))
-
-
-def get_provider(name: str) -> seqio.Task | seqio.Mixture:
-    """Looks up a task or mixture; unknown names list the closest registered ones.
-
-    Raises:
-      ValueError: for an unknown name.
-    """
-    if name in seqio.MixtureRegistry.names():
-        return seqio.MixtureRegistry.get(name)
-    if name in seqio.TaskRegistry.names():
-        return seqio.TaskRegistry.get(name)
-    close = difflib.get_close_matches(name, registered_names(), n=5, cutoff=0.5)
-    hint = f" Closest registered names: {', '.join(close)}." if close else ""
-    raise ValueError(f"No task or mixture named '{name}'.{hint} See --list for all.")
+_TRUNCATION_EXAMPLES = flags.DEFINE_integer(
+    "truncation_examples",
+    data.TRUNCATION_SAMPLE,
+    "Examples per task (the first ones of --split) checked for truncation; 0 skips the check.",
+)
 
 
 def parse_sequence_length(text: str) -> dict[str, int]:
-    """'inputs=128,targets=32' -> {'inputs': 128, 'targets': 32}."""
+    """'inputs=128,targets=32' -> {'inputs': 128, 'targets': 32}.
+
+    Raises:
+      ConfigError: for an item that is not name=int.
+    """
     lengths = {}
     for item in filter(None, text.split(",")):
         key, sep, value = item.partition("=")
         if not sep or not value.strip().isdigit():
-            raise ValueError(f"Bad --sequence_length item {item!r}; expected name=int.")
+            raise ConfigError(f"Bad --sequence_length item {item!r}; expected name=int.")
         lengths[key.strip()] = int(value)
     return lengths
 
@@ -109,9 +97,53 @@ def _print_examples(title: str, ds: tf.data.Dataset, n: int, features: Mapping) 
             print(f"    {key}: {_format_value(example[key], vocabulary)}")
 
 
-def show(name: str, num_examples: int, split: str, lengths: Mapping[str, int], seed: int) -> None:
-    """Prints the stages of `name` (task or mixture) for `num_examples` examples."""
-    provider = get_provider(name)
+def _print_truncation(name: str, split: str, lengths: Mapping[str, int], seed: int, n: int) -> None:
+    """Prints `data.truncation_report` of the first `n` examples per task."""
+    config = data.DatasetConfig(name, dict(lengths), batch_size=1, split=split, seed=seed)
+    print(
+        f"== truncation at --sequence_length (the first {n} examples of each task's "
+        f"{split!r} split, or all if fewer)"
+    )
+    for per_feature in data.truncation_report(config, n).values():
+        for truncation in per_feature.values():
+            print(f"  {truncation}")
+
+
+def show(
+    name: str,
+    num_examples: int,
+    split: str,
+    lengths: Mapping[str, int],
+    seed: int,
+    truncation_examples: int = data.TRUNCATION_SAMPLE,
+) -> None:
+    """Prints the stages of `name` (task or mixture) for `num_examples` examples.
+
+    Then, unless `truncation_examples` is 0, how many of that many examples per
+    task are longer than `lengths`.
+
+    Raises:
+      ConfigError: for an unknown name, or a preprocessor that asks for a
+        feature its input lacks.
+    """
+    provider = data.get_mixture_or_task(name)
+    if split not in provider.splits:
+        raise ConfigError(f"{name} has no split {split!r}; it has {sorted(provider.splits)}.")
+    with data.naming_failing_task(name, split, lengths, seed):
+        _show_stages(provider, num_examples, split, lengths, seed)
+    if truncation_examples:
+        _print_truncation(name, split, lengths, seed, truncation_examples)
+
+
+def _show_stages(
+    provider: seqio.Task | seqio.Mixture,
+    num_examples: int,
+    split: str,
+    lengths: Mapping[str, int],
+    seed: int,
+) -> None:
+    """Prints raw records (tasks), mixing rates (mixtures), preprocessed and packed examples."""
+    name = provider.name
     features = provider.output_features
     if isinstance(provider, seqio.Mixture):
         print(f"== mixture {name}: sampling rates")
@@ -137,24 +169,21 @@ def main(argv: Sequence[str]) -> None:
 
     logging.set_verbosity(logging.WARNING)
 
-    for module in _MODULE_IMPORT.value:
-        importlib.import_module(module)
-    cli.setup()  # the entry points' --gin_file/--gin_bindings/--tfds_data_dir/--data_dir
+    # The entry points' --module_import/--gin_file/--gin_bindings/--tfds_data_dir/--data_dir.
+    cli.setup()
     if _LIST.value:
-        print("\n".join(registered_names()))
+        print("\n".join(data.registered_names()))
         return
     if len(argv) != 2:
         raise app.UsageError("Give one task or mixture name (or --list).")
-    try:
-        show(
-            argv[1],
-            _NUM_EXAMPLES.value,
-            _SPLIT.value,
-            parse_sequence_length(_SEQUENCE_LENGTH.value),
-            _SEED.value,
-        )
-    except ValueError as e:
-        sys.exit(f"error: {e}")
+    show(
+        argv[1],
+        _NUM_EXAMPLES.value,
+        _SPLIT.value,
+        parse_sequence_length(_SEQUENCE_LENGTH.value),
+        _SEED.value,
+        _TRUNCATION_EXAMPLES.value,
+    )
 
 
 if __name__ == "__main__":

@@ -1,0 +1,244 @@
+"""The README's commands, run as a new user types them.
+
+Every fenced shell command of README.md runs in README order, from a copy of the
+repository root that already holds a `runs/` folder, with the README's own relative
+paths, through `bash` with the test interpreter's directory first on PATH (as an
+activated venv has it). Code and gin blocks whose heading names a file
+(`my_tasks.py`, `my_sentiment.gin`) are written to that file first, as a reader
+following the guide would. Commands are shortened only by the overrides the README
+documents (`SHORTENING` below, in the README's "Trying the commands quickly"), and
+the only commands not run are those in `SKIPPED`, each with the reason. A README
+edit that breaks a command, or a command with no rule here, fails this test.
+
+Data: `../shared/data` beside the copy holds tiny GLUE SST-2 files written here; the
+task guide's own example rows are its data files.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[1]
+README = REPO / "README.md"
+
+# What the README documents for trying a command quickly, by entry point.
+SHORTENING = {
+    "python -m t5x_lite.train": "--gin.TRAIN_STEPS=3 --gin.EVAL_STEPS=1",
+    "python -m t5x_lite.eval": "--gin.NUM_EXAMPLES=8",
+}
+# Commands that are not run here: (pattern in the command or its section, reason).
+SKIPPED = (
+    ("pytest", "runs this test suite"),
+    ("c4_v220", "reads C4 from TFDS, which is not on this machine"),
+    ("--precompile", "compiles T5 1.1 small..xxl for a TPU slice (minutes to an hour); "
+                     "tests/precompile_test.py compiles the same path for a tiny model"),
+    ("tools/benchmark.py", "times T5 1.1 small for minutes; tests/benchmark_test.py runs it tiny"),
+    ("pip install", "the package and its extras are installed already"),
+    ("Run on a TPU pod or GPU cluster", "needs a TPU slice or a GPU cluster"),
+)
+_COMMAND_WORDS = ("python", "printf", "pip")
+_FILE_IN_HEADING = re.compile(r"`([\w./-]+\.(?:py|gin))`")
+
+
+@dataclasses.dataclass
+class Block:
+  """One fenced block of the README and the headings it sits under."""
+
+  section: str   # the `##` heading
+  heading: str   # the innermost heading
+  lang: str
+  text: str
+  line: int
+
+
+def readme_blocks(text: str) -> list[Block]:
+  """Fenced blocks of a Markdown text, in order (indented fences included)."""
+  blocks, section, heading = [], "", ""
+  lines = text.splitlines()
+  i = 0
+  while i < len(lines):
+    stripped = lines[i].strip()
+    if stripped.startswith("#") and not stripped.startswith("#!"):
+      heading = stripped.lstrip("#").strip()
+      if stripped.startswith("## "):
+        section = heading
+    elif stripped.startswith("```"):
+      indent = len(lines[i]) - len(lines[i].lstrip())
+      lang, start, body = stripped[3:].strip(), i + 1, []
+      i += 1
+      while not lines[i].strip().startswith("```"):
+        body.append(lines[i][indent:])
+        i += 1
+      blocks.append(Block(section, heading, lang, "\n".join(body) + "\n", start))
+    i += 1
+  return blocks
+
+
+def shell_commands(text: str) -> list[str]:
+  """Logical commands of a shell block: continuation lines joined, comments dropped."""
+  commands, current = [], ""
+  for line in text.splitlines():
+    if not current and (not line.strip() or line.lstrip().startswith("#")):
+      continue
+    if line.rstrip().endswith("\\"):
+      current += line.rstrip()[:-1] + " "
+      continue
+    commands.append(_without_comment(current + line).strip())
+    current = ""
+  return commands
+
+
+def _without_comment(command: str) -> str:
+  """`command` without a trailing `# comment` (a `#` outside quotes after a space)."""
+  quote = None
+  for i, char in enumerate(command):
+    if quote:
+      quote = None if char == quote else quote
+    elif char in "'\"":
+      quote = char
+    elif char == "#" and i > 0 and command[i - 1].isspace():
+      return command[:i]
+  return command
+
+
+def _is_shell(block: Block) -> bool:
+  first = block.text.lstrip().split(None, 1)
+  return block.lang in ("bash", "sh", "") and bool(first) and first[0].startswith(_COMMAND_WORDS)
+
+
+def _skip_reason(command: str, block: Block) -> str | None:
+  for pattern, reason in SKIPPED:
+    if pattern in command or pattern == block.section:
+      return reason
+  return None
+
+
+def _runnable(command: str) -> str:
+  """The command without an install prefix (`... pip install ... && CMD`), shortened."""
+  if "pip install" in command and "&&" in command:
+    command = command.rsplit("&&", 1)[1].strip()
+  for entry_point, overrides in SHORTENING.items():
+    if command.startswith(entry_point):
+      command = f"{command} {overrides}"
+  return command
+
+
+@dataclasses.dataclass
+class Step:
+  """One thing the reader does: run a command or write a file."""
+
+  line: int
+  command: str | None = None
+  file: str | None = None
+  text: str = ""
+
+
+def readme_steps(text: str) -> tuple[list[Step], list[tuple[str, str]]]:
+  """(steps to run, (command, reason) pairs skipped), in README order."""
+  steps, skipped = [], []
+  for block in readme_blocks(text):
+    named = _FILE_IN_HEADING.findall(block.heading)
+    if named and not _is_shell(block):
+      steps.append(Step(block.line, file=named[-1], text=block.text))
+      continue
+    if block.heading.endswith("Your data") and not _is_shell(block):
+      for name in re.findall(r"`([\w./-]+\.tsv)`", _paragraph_before(text, block.line)):
+        steps.append(Step(block.line, file=name, text=block.text))
+      continue
+    if not _is_shell(block):
+      continue
+    for command in map(_runnable, shell_commands(block.text)):
+      reason = _skip_reason(command, block)
+      if reason:
+        skipped.append((command, reason))
+      else:
+        steps.append(Step(block.line, command=command))
+  return steps, skipped
+
+
+def _paragraph_before(text: str, line: int) -> str:
+  """The non-empty lines just before a block's fence (1-based `line` of its body)."""
+  before = text.splitlines()[:line - 1]
+  paragraph: list[str] = []
+  for previous in reversed(before[:-1]):
+    if not previous.strip():
+      break
+    paragraph.insert(0, previous)
+  return "\n".join(paragraph)
+
+
+def _sst2_fixture(data_dir: Path) -> None:
+  """Tiny GLUE SST-2 files in the layout of ../shared/data (header row, sentence<TAB>label)."""
+  sst2 = data_dir / "glue" / "SST-2"
+  sst2.mkdir(parents=True)
+  good = ["a gorgeous , witty film .", "deeply moving and funny .", "a delight from start to end ."]
+  bad = ["a tedious , joyless mess .", "it drags on and on .", "flat , dull and far too long ."]
+  rows = [f"{s}\t1" for s in good] + [f"{s}\t0" for s in bad]
+  for name in ("train.tsv", "dev.tsv"):
+    (sst2 / name).write_text("sentence\tlabel\n" + "\n".join(rows) + "\n")
+
+
+def _not_copied(directory: str, names: list[str]) -> set[str]:
+  """What a fresh clone lacks: git data, the venv, caches and the top-level runs/."""
+  skipped = {n for n in names if n in (".git", ".venv", "__pycache__", ".pytest_cache")
+             or n.endswith(".egg-info")}
+  if Path(directory) == REPO:
+    skipped |= {n for n in names if n in ("runs", "my_data", "inputs.jsonl", "reviews.jsonl")}
+  return skipped
+
+
+def _user_env() -> dict[str, str]:
+  """A user's environment: the test's interpreter first on PATH, one CPU device."""
+  env = {k: v for k, v in os.environ.items()
+         if k not in ("XLA_FLAGS", "JAX_PLATFORMS", "PYTHONPATH")}
+  env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
+  return env
+
+
+def test_readme_has_the_flows_this_test_promises():
+  steps, skipped = readme_steps(README.read_text())
+  commands = [s.command for s in steps if s.command]
+  files = [s.file for s in steps if s.file]
+  assert commands[0] == ("python -m t5x_lite.train --gin_file=quickstart.gin "
+                         + SHORTENING["python -m t5x_lite.train"])
+  for expected in ("quickstart_finetune.gin", "tools/plot_metrics.py", "tools/show_task.py",
+                   "t5x_lite.eval", "t5x_lite.infer", "local_glue_sst2", "my_sentiment",
+                   "tools/convert_hf_checkpoint.py"):
+    assert any(expected in c for c in commands), expected
+  assert {"my_tasks.py", "my_sentiment.gin"} <= set(files)
+  assert any(f.endswith(".tsv") for f in files)
+  assert any("pytest" in c for c, _ in skipped)
+
+
+def test_readme_commands_run_as_written(tmp_path):
+  root = tmp_path / "t5x_lite"
+  shutil.copytree(REPO, root, ignore=_not_copied)
+  (root / "runs").mkdir()  # what the quickstart leaves; gin includes must not see it
+  _sst2_fixture(tmp_path / "shared" / "data")
+  steps, _ = readme_steps(README.read_text())
+  env = _user_env()
+  for step in steps:
+    if step.file:
+      path = root / step.file
+      path.parent.mkdir(parents=True, exist_ok=True)
+      path.write_text(step.text)
+      continue
+    start = time.time()
+    result = subprocess.run(["bash", "-c", step.command], cwd=root, env=env,
+                            capture_output=True, text=True, timeout=900)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, (
+        f"README.md:{step.line}: `{step.command}` exited {result.returncode} after "
+        f"{time.time() - start:.0f} s:\n{output[-4000:]}")
+    assert "Traceback" not in output, f"README.md:{step.line}: `{step.command}`:\n{output[-4000:]}"
