@@ -22,11 +22,25 @@ two ways (`TrainIterator.checkpoint_mode`):
 Both give the batches the uninterrupted run would have seen. There is no
 Python-side prefetch queue, so the saved position is exactly the number of
 batches handed to the trainer.
+
+Errors the user can fix come out as one `ConfigError` line:
+
+* an unknown task or mixture name (`get_mixture_or_task`, also checked when a
+  `DatasetConfig` is built) lists the closest registered names;
+* a preprocessor that asks for a feature its input lacks
+  (`naming_failing_task`) names the task, the preprocessor, the feature and
+  the features there are, instead of a KeyError deep in a tf.data trace.
+
+`truncation_report` counts how many examples are longer than
+`task_feature_lengths` (and so are cut); training logs it at start-up.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import difflib
+import functools
 import json
 from collections.abc import Callable, Iterator, Mapping
 
@@ -35,10 +49,39 @@ import jax
 import numpy as np
 import seqio
 import tensorflow as tf
+from absl import logging
 from jax.sharding import Sharding
 
+from t5x_lite import preprocessors
+from t5x_lite.errors import ConfigError
+
 CHECKPOINT_MODES = ("iterator", "skip")
+# Examples per task that `truncation_report` measures by default.
+TRUNCATION_SAMPLE = 1000
 Batch = dict[str, jax.Array]
+
+
+def registered_names() -> list[str]:
+  """Every registered seqio task and mixture name, sorted."""
+  return sorted(set(seqio.TaskRegistry.names()) | set(seqio.MixtureRegistry.names()))
+
+
+def get_mixture_or_task(name: str) -> seqio.Task | seqio.Mixture:
+  """The registered mixture or task `name`.
+
+  Raises:
+    ConfigError: for an unknown name; lists the closest registered names.
+  """
+  if name in seqio.MixtureRegistry.names():
+    return seqio.MixtureRegistry.get(name)
+  if name in seqio.TaskRegistry.names():
+    return seqio.TaskRegistry.get(name)
+  close = difflib.get_close_matches(name, registered_names(), n=5, cutoff=0.5)
+  hint = f" (closest: {', '.join(close)})" if close else ""
+  raise ConfigError(
+      f"No seqio task or mixture named {name!r}{hint}; tools/show_task.py --list shows all "
+      "(a task of your own is registered by importing its module: --module_import=my_tasks "
+      "or gin `import my_tasks`)")
 
 
 @gin.configurable
@@ -65,6 +108,10 @@ class DatasetConfig:
   seed: int | None = 0
   pack: bool = True
   use_cached: bool = False
+
+  def __post_init__(self) -> None:
+    """Fails early, naming the closest registered names, for an unknown task."""
+    get_mixture_or_task(self.mixture_or_task_name)
 
 
 def feature_converter(config: DatasetConfig) -> seqio.FeatureConverter:
@@ -100,6 +147,203 @@ def per_host_batch_size(global_batch_size: int) -> int:
   return global_batch_size // count
 
 
+def _unwrapped(preprocessor: Callable) -> Callable:
+  """The function under `functools.partial` layers."""
+  while isinstance(preprocessor, functools.partial):
+    preprocessor = preprocessor.func
+  return preprocessor
+
+
+def _missing_key(error: KeyError) -> str | None:
+  """The key a KeyError was raised for (autograph re-raises it with a traceback as text)."""
+  while isinstance(error.__context__, KeyError):
+    error = error.__context__
+  key = error.args[0] if error.args else None
+  return key if isinstance(key, str) else None
+
+
+def preprocessed_examples(
+    task: seqio.Task,
+    split: str,
+    lengths: Mapping[str, int] | None,
+    seed: int | None = None,
+    *,
+    trim: bool = True,
+) -> tf.data.Dataset:
+  """The task's split in order, through its preprocessors applied one by one.
+
+  Unlike `task.get_dataset`, a preprocessor that asks for a feature its input
+  lacks is named, and features are not cut to `lengths` at the end.
+
+  Args:
+    task: the task.
+    split: one of `task.splits`.
+    lengths: task feature lengths, passed to preprocessors that take them.
+    seed: preprocessing seed.
+    trim: False gives `seqio.preprocessors.append_eos_after_trim` no lengths,
+      so features keep their full length (plus EOS).
+
+  Returns:
+    The unshuffled, unsharded, preprocessed examples.
+
+  Raises:
+    ConfigError: "Task <name>: preprocessor <p> asks for feature '<f>', but
+      the source has columns [...]" (or "its input has features [...]" after
+      the first preprocessor).
+  """
+  dataset = task.source.get_dataset(split=split, shuffle=False, seed=seed)
+  # As in seqio, preprocessors before a cache placeholder get no lengths.
+  cached = [isinstance(p, seqio.CacheDatasetPlaceholder) for p in task.preprocessors]
+  first_with_lengths = cached.index(True) + 1 if any(cached) else 0
+  with seqio.utils.map_seed_manager(seed):
+    for index, preprocessor in enumerate(task.preprocessors):
+      if cached[index]:
+        continue
+      function = _unwrapped(preprocessor)
+      untrimmed = function is seqio.preprocessors.append_eos_after_trim and not trim
+      apply = seqio.utils.add_kwargs_to_transform(
+          preprocessor, output_features=task.output_features,
+          sequence_length=None if untrimmed or index < first_with_lengths else lengths)
+      available = list(dataset.element_spec)
+      try:
+        dataset = apply(dataset)
+      except preprocessors.MissingFeatureError as e:
+        missing = e.feature
+      except KeyError as e:
+        missing = _missing_key(e)
+        if missing is None or missing in available:
+          raise
+      else:
+        continue
+      found = "the source has columns" if index == 0 else "its input has features"
+      raise ConfigError(
+          f"Task {task.name}: preprocessor {getattr(function, '__name__', function)} asks for "
+          f"feature {missing!r}, but {found} {available}") from None
+  return dataset
+
+
+@contextlib.contextmanager
+def naming_failing_task(
+    name: str, split: str, lengths: Mapping[str, int] | None, seed: int | None = None
+) -> Iterator[None]:
+  """Turns a missing-feature error of building `name`'s dataset into one line naming the task.
+
+  Use around code that builds a dataset of the task or mixture `name` (seqio
+  names no task in a preprocessor's KeyError). The error is reproduced task
+  by task with `preprocessed_examples`; other errors pass unchanged.
+
+  Args:
+    name: the task or mixture.
+    split: the split being read.
+    lengths: its task feature lengths.
+    seed: preprocessing seed.
+
+  Raises:
+    ConfigError: naming the task, preprocessor, feature and available features.
+  """
+  try:
+    yield
+  except (preprocessors.MissingFeatureError, KeyError):
+    for task in seqio.get_subtasks(get_mixture_or_task(name)):
+      if split in task.splits:
+        preprocessed_examples(task, split, lengths, seed)
+    raise
+
+
+def _seqio_dataset(
+    config: DatasetConfig, *, shuffle: bool, num_epochs: int | None
+) -> tf.data.Dataset:
+  """This host's shard of `config`'s model features, unbatched."""
+  name = config.mixture_or_task_name
+  with naming_failing_task(name, config.split, config.task_feature_lengths, config.seed):
+    return seqio.get_dataset(
+        name,
+        task_feature_lengths=config.task_feature_lengths,
+        feature_converter=feature_converter(config),
+        dataset_split=config.split,
+        use_cached=config.use_cached,
+        shuffle=shuffle,
+        num_epochs=num_epochs,
+        shard_info=seqio.ShardInfo(
+            index=jax.process_index(), num_shards=jax.process_count()
+        ),
+        seed=config.seed,
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class Truncation:
+  """How many examples of a task have a feature longer than its length.
+
+  Attributes:
+    task: the task.
+    feature: e.g. 'inputs'.
+    length: the feature's length in `task_feature_lengths`.
+    num_examples: examples looked at.
+    num_truncated: of those, how many are longer than `length` (and cut).
+  """
+
+  task: str
+  feature: str
+  length: int
+  num_examples: int
+  num_truncated: int
+
+  def __str__(self) -> str:
+    share = 100 * self.num_truncated / max(self.num_examples, 1)
+    return (f"{self.task}: {self.num_truncated} of {self.num_examples} examples ({share:.1f}%) "
+            f"have {self.feature} longer than {self.length} tokens and are truncated")
+
+
+def truncation_report(
+    config: DatasetConfig, num_examples: int = TRUNCATION_SAMPLE
+) -> dict[str, dict[str, Truncation]]:
+  """Counts examples whose features exceed `config.task_feature_lengths`.
+
+  Looks at the first `num_examples` examples (or all, if the split is
+  smaller) of each task of the mixture that has `config.split`, tokenized
+  and preprocessed, before they are cut to length (EOS counted).
+
+  Args:
+    config: the task/mixture, split, lengths and seed.
+    num_examples: examples per task to look at.
+
+  Returns:
+    {task name: {feature: Truncation}} for the features in the lengths.
+  """
+  lengths = dict(config.task_feature_lengths)
+  report = {}
+  for task in seqio.get_subtasks(get_mixture_or_task(config.mixture_or_task_name)):
+    if config.split not in task.splits:
+      continue
+    dataset = preprocessed_examples(task, config.split, lengths, config.seed, trim=False)
+    features = [name for name in lengths if name in dataset.element_spec]
+    sizes = dataset.take(num_examples).map(
+        lambda x, features=features: {name: tf.size(x[name]) for name in features},
+        num_parallel_calls=tf.data.AUTOTUNE)
+    counts = next(sizes.batch(num_examples).as_numpy_iterator(), None)
+    report[task.name] = {
+        name: Truncation(
+            task.name, name, lengths[name],
+            num_examples=0 if counts is None else len(counts[name]),
+            num_truncated=0 if counts is None else int((counts[name] > lengths[name]).sum()))
+        for name in features
+    }
+  return report
+
+
+def log_truncation(
+    config: DatasetConfig, num_examples: int = TRUNCATION_SAMPLE
+) -> dict[str, dict[str, Truncation]]:
+  """`truncation_report`, with a warning line for every feature that gets cut."""
+  report = truncation_report(config, num_examples)
+  for per_feature in report.values():
+    for truncation in per_feature.values():
+      if truncation.num_truncated:
+        logging.warning("%s", truncation)
+  return report
+
+
 def host_dataset(
     config: DatasetConfig, *, num_epochs: int | None
 ) -> tf.data.Dataset:
@@ -112,20 +356,11 @@ def host_dataset(
   Returns:
     A tf.data.Dataset of dicts of int32 [per_host_batch, length] tensors
     (full batches only).
+
+  Raises:
+    ConfigError: for a preprocessor asking for a feature its input lacks.
   """
-  dataset = seqio.get_dataset(
-      config.mixture_or_task_name,
-      task_feature_lengths=config.task_feature_lengths,
-      feature_converter=feature_converter(config),
-      dataset_split=config.split,
-      use_cached=config.use_cached,
-      shuffle=config.shuffle,
-      num_epochs=num_epochs,
-      shard_info=seqio.ShardInfo(
-          index=jax.process_index(), num_shards=jax.process_count()
-      ),
-      seed=config.seed,
-  )
+  dataset = _seqio_dataset(config, shuffle=config.shuffle, num_epochs=num_epochs)
   dataset = dataset.batch(per_host_batch_size(config.batch_size), drop_remainder=True)
   return dataset.prefetch(tf.data.AUTOTUNE)
 
@@ -242,19 +477,7 @@ def eval_batches(
   """
   config = dataclasses.replace(config, shuffle=False)
   rows = per_host_batch_size(config.batch_size)
-  dataset = seqio.get_dataset(
-      config.mixture_or_task_name,
-      task_feature_lengths=config.task_feature_lengths,
-      feature_converter=feature_converter(config),
-      dataset_split=config.split,
-      use_cached=config.use_cached,
-      shuffle=False,
-      num_epochs=1,
-      shard_info=seqio.ShardInfo(
-          index=jax.process_index(), num_shards=jax.process_count()
-      ),
-      seed=config.seed,
-  ).batch(rows)
+  dataset = _seqio_dataset(config, shuffle=False, num_epochs=1).batch(rows)
   shapes = model_feature_lengths(config)
   local = dataset.take(num_batches).as_numpy_iterator()
   for _ in range(num_batches):

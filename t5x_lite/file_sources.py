@@ -2,13 +2,17 @@
 
 * `TextLinesSource`: plain text (optionally .gz), one example per non-empty
   line, streamed by tf.data: for pretraining corpora of any size.
-* `TsvSource`: tab-separated rows (header or explicit columns).
+* `TsvSource`: tab-separated rows; column names from the header row, or
+  `columns=` (which renames a header's columns by position, or names the
+  fields of a header-less file with `has_header=False`).
 * `ParallelTextSource`: two line-aligned files (e.g. train.en.gz / train.de.gz).
 * `JsonlSource`: one JSON object per line, selected fields.
 
 The last three parse their files in Python on first use (errors name the file
 and line) and keep the records in memory, so their sizes are known for mixing
 rates; they suit files up to a few million rows.
+
+A UTF-8 byte-order mark at the start of a file is dropped.
 
 Relative file names are resolved against a data directory at the time the
 dataset is built (so gin files parsed after registration apply): the source's
@@ -27,16 +31,20 @@ import gin
 import seqio
 import tensorflow as tf
 
+from t5x_lite.errors import ConfigError, UserError
+
 DATA_DIR_ENV = "T5X_LITE_DATA_DIR"
 DEFAULT_DATA_DIR = os.path.join("..", "shared", "data")
 DATA_DIR_GIN_PARAM = "local_data_dir.path"
 # TextLinesSource counts lines for num_input_examples only below this size.
 _MAX_BYTES_TO_COUNT = 256 * 2**20
+# Some editors (and Excel's "UTF-8 CSV") start files with this character.
+_BYTE_ORDER_MARK = "\ufeff"
 
 Columns = dict[str, list[str]]
 
 
-class DataFileError(ValueError):
+class DataFileError(UserError, ValueError):
     """A local data file is missing or malformed (the message names file and line)."""
 
 
@@ -99,9 +107,15 @@ def _open_text(path: str):
 
 
 def numbered_lines(path: str) -> Iterator[tuple[int, str]]:
-    """Yields (line number, line without newline) of a text file (.gz ok)."""
+    """Yields (line number, line without newline) of a text file (.gz ok).
+
+    A UTF-8 byte-order mark before the first line is dropped, so it never ends
+    up in a header name or a first record.
+    """
     with _open_text(path) as f:
         for number, line in enumerate(f, start=1):
+            if number == 1:
+                line = line.removeprefix(_BYTE_ORDER_MARK)
             yield number, line.rstrip("\r\n")
 
 
@@ -110,25 +124,44 @@ def read_tsv(
 ) -> Columns:
     """Reads a TSV file into columns; empty lines are skipped.
 
+    Column names come from the header row, or from `columns`:
+
+    * `has_header=True`, no `columns`: the header row names the columns.
+    * `has_header=False`, `columns`: the file has no header; `columns` names
+      its fields in order.
+    * `has_header=True` and `columns`: the header row is skipped and `columns`
+      renames its fields by position (e.g. a header `sentence\tlbl` read with
+      `columns=("sentence", "label")`); the header must have as many fields.
+
     Args:
       path: the file.
-      columns: field names; None takes them from the header row.
-      has_header: whether the first line is a header (skipped).
+      columns: field names, in file order; None takes them from the header row.
+      has_header: whether the first line is a header row.
 
     Returns:
       {column: [values]}.
 
     Raises:
-      DataFileError: on a row with the wrong number of fields ("file:line: ...").
+      ConfigError: if `has_header` is False and `columns` is not given.
+      DataFileError: if the header's field count differs from `columns`, or
+        on a row with the wrong number of fields ("file:line: ...").
     """
-    out, names = None, list(columns) if columns else None
+    if not has_header and not columns:
+        raise ConfigError(f"{path}: has_header=False needs columns=(...) naming the fields.")
+    names = list(columns) if columns else None
+    out: Optional[Columns] = None
     for number, line in numbered_lines(path):
         fields = line.split("\t")
         if number == 1 and has_header:
-            names = names or fields
+            if names is None:
+                names = fields
+            elif len(fields) != len(names):
+                raise DataFileError(
+                    f"{path}:1: the header row has {len(fields)} fields {fields}, but "
+                    f"columns= names {len(names)} {names}; columns= renames the header's "
+                    "fields by position, so give one name per field."
+                )
             continue
-        if names is None:
-            raise DataFileError(f"{path}: no header row and no columns given.")
         if out is None:
             out = {name: [] for name in names}
         if not line.strip():
@@ -229,7 +262,7 @@ class InMemorySource(seqio.FunctionDataSource):
     def records(self, split: str) -> Columns:
         """The split's records (built on first call)."""
         if split not in self.splits:
-            raise ValueError(f"Unknown split {split!r}; this source has {list(self.splits)}.")
+            raise ConfigError(f"Unknown split {split!r}; this source has {list(self.splits)}.")
         key = self._cache_key(split)
         if key not in self._loaded:
             self._loaded[key] = self._load(split)
@@ -280,10 +313,13 @@ class FileRecordsSource(InMemorySource):
 class TsvSource(FileRecordsSource):
     """TSV files per split; features are the columns (all strings).
 
+    See `read_tsv` for how `columns` and `has_header` combine.
+
     Args:
       split_to_file: {split: file name (relative to the data dir, or absolute)}.
-      columns: field names; None reads them from each file's header row.
-      has_header: whether files start with a header row.
+      columns: field names in file order; None reads them from each file's
+        header row; with a header row, renames its fields by position.
+      has_header: whether files start with a header row (False needs `columns`).
       data_dir: directory for relative names; None uses `local_data_dir()`.
     """
 

@@ -14,10 +14,12 @@ maximum is examples-proportional mixing; large T approaches equal mixing.
 """
 
 from collections.abc import Mapping
-from typing import Optional, Union
+from typing import Optional
 
 import gin
 import seqio
+
+from t5x_lite.errors import ConfigError
 
 
 @gin.configurable
@@ -39,10 +41,10 @@ def temperature_rate(
       The unnormalized rate.
 
     Raises:
-      ValueError: if the task's size for `split` is unknown.
+      ConfigError: if the task's size for `split` is unknown.
     """
     if task.num_input_examples(split) is None:
-        raise ValueError(
+        raise ConfigError(
             f"Task '{task.name}' does not know its number of '{split}' examples, which "
             "temperature mixing needs; give it a fixed rate instead."
         )
@@ -51,17 +53,15 @@ def temperature_rate(
     )
 
 
-def normalized_rates(mixture: Union[str, seqio.Mixture]) -> Mapping[str, float]:
+def normalized_rates(mixture: seqio.Mixture) -> Mapping[str, float]:
     """Sampling probability of each task of a mixture (sub-mixtures flattened).
 
     Args:
-      mixture: a mixture or its registered name.
+      mixture: the mixture (`t5x_lite.data.get_mixture_or_task` looks one up by name).
 
     Returns:
       {task name: probability}, summing to 1, in the mixture's task order.
     """
-    if isinstance(mixture, str):
-        mixture = seqio.MixtureRegistry.get(mixture)
     rates = {task.name: float(mixture.get_rate(task)) for task in mixture.tasks}
     total = sum(rates.values())
     return {name: rate / total for name, rate in rates.items()}

@@ -17,6 +17,12 @@ segments sized for the requested `sequence_length`, and corrupt each segment:
 All randomness is stateless and driven by the seeds seqio passes through
 `seqio.map_over_dataset(num_seeds=...)`, so a pipeline built with
 `seqio.get_dataset(..., seed=S)` is reproducible. Every output ends with EOS.
+
+The formatters that name record fields (`text_to_text`, `prefixed_pair`,
+`translate`, the text feature of `unsupervised_preprocessors`) check those
+names against the dataset's features when the pipeline is built and raise
+`MissingFeatureError` (one line naming the feature and the features there
+are) instead of a KeyError deep in a tf.data trace.
 """
 
 import functools
@@ -27,10 +33,45 @@ import seqio
 import tensorflow as tf
 
 from t5x_lite import vocab
+from t5x_lite.errors import ConfigError
 
 # Ids below this are pad (0), eos (1) and unk (2); random replacement tokens
 # are drawn from [FIRST_REGULAR_ID, vocab_size - extra_ids).
 FIRST_REGULAR_ID = 3
+
+
+class MissingFeatureError(ConfigError):
+    """A preprocessor names a feature that its input records do not have.
+
+    Attributes:
+      preprocessor: the preprocessor's name, e.g. 'text_to_text'.
+      feature: the missing feature.
+      available: the features the records have, in order.
+    """
+
+    def __init__(self, preprocessor: str, feature: str, available: Sequence[str]):
+        self.preprocessor, self.feature, self.available = preprocessor, feature, list(available)
+        super().__init__(
+            f"preprocessor {preprocessor} asks for feature {feature!r}, but its input has "
+            f"features {self.available}"
+        )
+
+
+def require_features(dataset: tf.data.Dataset, names: Sequence[str], preprocessor: str) -> None:
+    """Checks that `dataset`'s records have every feature in `names`.
+
+    Args:
+      dataset: a dataset of feature dicts.
+      names: features the preprocessor reads.
+      preprocessor: its name, for the message.
+
+    Raises:
+      MissingFeatureError: for the first name the records lack.
+    """
+    available = list(dataset.element_spec)
+    for name in names:
+        if name not in available:
+            raise MissingFeatureError(preprocessor, name, available)
 
 
 # ----------------------------------------------------------- span arithmetic
@@ -79,7 +120,10 @@ def random_spans_helper(
       (raw tokens per segment, resulting targets length).
     """
     if inputs_length < 3:
-        raise ValueError(f"inputs_length must be >= 3 for span corruption, got {inputs_length}.")
+        raise ConfigError(
+            f"Span corruption needs an inputs length (TASK_FEATURE_LENGTHS['inputs']) of at "
+            f"least 3, got {inputs_length}."
+        )
     tokens_length = inputs_length
     while (
         corrupted_lengths(tokens_length + 1, noise_density, mean_noise_span_length)[0]
@@ -422,15 +466,14 @@ def _label_text(
     )
 
 
-@seqio.map_over_dataset
 def text_to_text(
-    x: Mapping[str, tf.Tensor],
+    dataset: tf.data.Dataset,
     prefix: str,
     feature_names: Sequence[str],
     label_key: Optional[str] = "label",
     label_names: Optional[Sequence[str] | Mapping[str, str]] = None,
-) -> dict[str, tf.Tensor]:
-    """Formats a record as T5 text-to-text, e.g. `sst2 sentence: ...` -> `positive`.
+) -> tf.data.Dataset:
+    """Formats records as T5 text-to-text, e.g. `sst2 sentence: ...` -> `positive`.
 
     inputs = "<prefix> <name1>: <value1> <name2>: <value2> ...". targets come
     from `x[label_key]`: an int label indexes `label_names` (-1 or out of range
@@ -439,15 +482,40 @@ def text_to_text(
     one decimal (STS-B). With `label_key=None`, targets are absent.
 
     Args:
-      x: a record.
+      dataset: records with the fields `feature_names` and `label_key`.
       prefix: task prefix, e.g. "sst2".
       feature_names: record fields to put in the inputs, in order.
       label_key: field holding the label.
       label_names: class names (int labels) or {raw label: name} (string labels).
 
     Returns:
-      {'inputs': string, 'targets': string} (+ 'idx' if the record has one).
+      A dataset of {'inputs': string, 'targets': string} (+ 'idx' if the
+      records have one).
+
+    Raises:
+      MissingFeatureError: if the records lack a field named here.
     """
+    require_features(
+        dataset, [*feature_names, *([label_key] if label_key else [])], "text_to_text"
+    )
+    return _format_text_to_text(
+        dataset,
+        prefix=prefix,
+        feature_names=feature_names,
+        label_key=label_key,
+        label_names=label_names,
+    )
+
+
+@seqio.map_over_dataset
+def _format_text_to_text(
+    x: Mapping[str, tf.Tensor],
+    prefix: str,
+    feature_names: Sequence[str],
+    label_key: Optional[str],
+    label_names: Optional[Sequence[str] | Mapping[str, str]],
+) -> dict[str, tf.Tensor]:
+    """One record of `text_to_text`."""
     parts = [tf.constant(prefix)] if prefix else []
     for name in feature_names:
         parts += [tf.constant(f"{name}:"), x[name]]
@@ -459,11 +527,23 @@ def text_to_text(
     return out
 
 
-@seqio.map_over_dataset
 def prefixed_pair(
+    dataset: tf.data.Dataset, prefix: str, source_key: str, target_key: str
+) -> tf.data.Dataset:
+    """{'inputs': prefix + x[source_key], 'targets': x[target_key]} (translation, summaries).
+
+    Raises:
+      MissingFeatureError: if the records lack `source_key` or `target_key`.
+    """
+    require_features(dataset, (source_key, target_key), "prefixed_pair")
+    return _join_pair(dataset, prefix=prefix, source_key=source_key, target_key=target_key)
+
+
+@seqio.map_over_dataset
+def _join_pair(
     x: Mapping[str, tf.Tensor], prefix: str, source_key: str, target_key: str
 ) -> dict[str, tf.Tensor]:
-    """{'inputs': prefix + x[source_key], 'targets': x[target_key]} (translation, summaries)."""
+    """One record of `prefixed_pair`."""
     return {"inputs": tf.strings.join([prefix, x[source_key]]), "targets": x[target_key]}
 
 
@@ -474,9 +554,14 @@ def translate(
     source_key: str,
     target_key: str,
 ) -> tf.data.Dataset:
-    """T5 translation format: "translate English to German: <source>" -> target."""
+    """T5 translation format: "translate English to German: <source>" -> target.
+
+    Raises:
+      MissingFeatureError: if the records lack `source_key` or `target_key`.
+    """
+    require_features(dataset, (source_key, target_key), "translate")
     prefix = f"translate {source_language} to {target_language}: "
-    return prefixed_pair(dataset, prefix=prefix, source_key=source_key, target_key=target_key)
+    return _join_pair(dataset, prefix=prefix, source_key=source_key, target_key=target_key)
 
 
 UNSUPERVISED_OBJECTIVES = {
@@ -494,17 +579,30 @@ def unsupervised_preprocessors(objective: str, text_key: str = "text") -> list:
       text_key: raw feature holding the text.
 
     Returns:
-      [rekey text -> targets, tokenize, objective].
+      [text_as_targets, tokenize, objective].
+
+    Raises:
+      ConfigError: for an unknown objective.
     """
     if objective not in UNSUPERVISED_OBJECTIVES:
-        raise ValueError(
+        raise ConfigError(
             f"Unknown objective {objective!r}; choose from {sorted(UNSUPERVISED_OBJECTIVES)}."
         )
     return [
-        functools.partial(seqio.preprocessors.rekey, key_map={"targets": text_key}),
+        functools.partial(text_as_targets, text_key=text_key),
         seqio.preprocessors.tokenize,
         UNSUPERVISED_OBJECTIVES[objective],
     ]
+
+
+def text_as_targets(dataset: tf.data.Dataset, text_key: str = "text") -> tf.data.Dataset:
+    """{'targets': x[text_key]}: the text an unsupervised objective reads.
+
+    Raises:
+      MissingFeatureError: if the records lack `text_key`.
+    """
+    require_features(dataset, (text_key,), "text_as_targets")
+    return dataset.map(lambda x: {"targets": x[text_key]}, num_parallel_calls=tf.data.AUTOTUNE)
 
 
 def text_to_text_features(

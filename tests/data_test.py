@@ -1,6 +1,8 @@
 """Tests for t5x_lite.data: sharded global batches, determinism, exact resume, eval."""
 
 import dataclasses
+import functools
+import logging
 
 import jax
 import numpy as np
@@ -9,7 +11,8 @@ import seqio
 import tensorflow as tf
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from t5x_lite import data
+from t5x_lite import data, preprocessors
+from t5x_lite.errors import ConfigError
 
 TASK = "data_test_bytes"
 NUM_TRAIN, NUM_VALIDATION = 120, 11
@@ -24,17 +27,44 @@ def _source(split: str, shuffle_files: bool, seed: int | None = None) -> tf.data
   )
 
 
+# Records with columns 'sentence' and 'lbl' (not 'label'); sentence i has 10 * i bytes.
+NUM_SENTENCES = 8
+
+
+def _sentences(split: str, shuffle_files: bool, seed: int | None = None) -> tf.data.Dataset:
+  del split, shuffle_files, seed
+  return tf.data.Dataset.from_tensor_slices({
+      "sentence": ["x" * (10 * i) for i in range(NUM_SENTENCES)],
+      "lbl": ["yes" * i for i in range(NUM_SENTENCES)],
+  })
+
+
+def _select(dataset: tf.data.Dataset, key: str) -> tf.data.Dataset:
+  return dataset.map(lambda x: {"inputs": x["sentence"], "targets": x[key]})
+
+
+_vocab = seqio.ByteVocabulary()
+_FEATURES = {"inputs": seqio.Feature(_vocab), "targets": seqio.Feature(_vocab)}
+# name: preprocessors over _sentences.
+_SENTENCE_TASKS = {
+    "data_test_pairs": preprocessors.supervised_preprocessors(
+        functools.partial(_select, key="lbl")),
+    "data_test_text_to_text": preprocessors.supervised_preprocessors(functools.partial(
+        preprocessors.text_to_text, prefix="s", feature_names=("sentence",))),
+    "data_test_own_preprocessor": [functools.partial(_select, key="label")],
+}
 if TASK not in seqio.TaskRegistry.names():
-  _vocab = seqio.ByteVocabulary()
   seqio.TaskRegistry.add(
       TASK,
       source=seqio.FunctionDataSource(_source, splits=["train", "validation"]),
       preprocessors=[seqio.preprocessors.tokenize, seqio.preprocessors.append_eos],
-      output_features={
-          "inputs": seqio.Feature(_vocab),
-          "targets": seqio.Feature(_vocab),
-      },
+      output_features=_FEATURES,
   )
+  for _name, _preprocessors in _SENTENCE_TASKS.items():
+    seqio.TaskRegistry.add(
+        _name, source=seqio.FunctionDataSource(_sentences, splits=["train"]),
+        preprocessors=_preprocessors, output_features=_FEATURES)
+  seqio.MixtureRegistry.add("data_test_mix", [TASK, "data_test_text_to_text"], default_rate=1.0)
 
 
 @pytest.fixture(scope="module")
@@ -142,3 +172,51 @@ def test_batch_size_must_divide_over_processes(monkeypatch):
   monkeypatch.setattr(jax, "process_count", lambda: 3)
   with pytest.raises(ValueError, match="not divisible"):
     data.per_host_batch_size(8)
+
+
+def test_unknown_name_lists_closest_registered_names():
+  with pytest.raises(ConfigError) as e:
+    data.get_mixture_or_task("data_test_byte")
+  assert str(e.value).startswith(
+      "No seqio task or mixture named 'data_test_byte' (closest: data_test_bytes")
+  assert "tools/show_task.py --list" in str(e.value)
+  with pytest.raises(ConfigError, match="'data_test_mixture' \\(closest: data_test_mix"):
+    _config(mixture_or_task_name="data_test_mixture")
+  assert isinstance(data.get_mixture_or_task("data_test_mix"), seqio.Mixture)
+
+
+@pytest.mark.parametrize("name, preprocessor", [
+    ("data_test_text_to_text", "text_to_text"),
+    ("data_test_own_preprocessor", "_select"),
+])
+def test_missing_feature_names_task_feature_and_columns(sharding, name, preprocessor):
+  expected = (f"Task {name}: preprocessor {preprocessor} asks for feature 'label', "
+              "but the source has columns ['sentence', 'lbl']")
+  with pytest.raises(ConfigError) as e:
+    next(data.train_iterator(_config(mixture_or_task_name=name), sharding))
+  assert str(e.value) == expected
+  with pytest.raises(ConfigError) as e:
+    data.truncation_report(_config(mixture_or_task_name=name))
+  assert str(e.value) == expected
+
+
+def test_missing_feature_in_a_mixture_names_the_task(sharding):
+  config = _config(mixture_or_task_name="data_test_mix", split="train")
+  with pytest.raises(ConfigError, match="^Task data_test_text_to_text: preprocessor text_to_text"):
+    next(data.eval_batches(config, sharding, 1))
+
+
+def test_truncation_report_counts_untrimmed_lengths(caplog):
+  # Inputs of 10 * i bytes + EOS against 35 tokens: i = 4..7 are cut; targets 3 * i + 1 vs 16.
+  config = _config(mixture_or_task_name="data_test_pairs",
+                   task_feature_lengths={"inputs": 35, "targets": 16})
+  with caplog.at_level(logging.WARNING):
+    report = data.log_truncation(config)
+  inputs, targets = report["data_test_pairs"]["inputs"], report["data_test_pairs"]["targets"]
+  assert (inputs.num_examples, inputs.num_truncated) == (NUM_SENTENCES, 4)
+  assert (targets.num_examples, targets.num_truncated) == (NUM_SENTENCES, 2)
+  assert ("data_test_pairs: 4 of 8 examples (50.0%) have inputs longer than 35 tokens and "
+          "are truncated") in caplog.text
+  assert "data_test_pairs: 2 of 8 examples (25.0%) have targets" in caplog.text
+  sample = data.truncation_report(config, num_examples=5)["data_test_pairs"]["inputs"]
+  assert (sample.num_examples, sample.num_truncated) == (5, 1)

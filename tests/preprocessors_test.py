@@ -6,6 +6,7 @@ import seqio
 import tensorflow as tf
 
 from t5x_lite import preprocessors
+from t5x_lite.errors import ConfigError
 
 VOCAB_SIZE = 1000  # Sentinels count down from 999; regular tokens stay below 800.
 EOS = 1
@@ -188,3 +189,27 @@ def test_translate_prefix():
     ds = tf.data.Dataset.from_tensors({"en": "A dog.", "de": "Ein Hund."})
     ex = next(preprocessors.translate(ds, "English", "German", "en", "de").as_numpy_iterator())
     assert ex == {"inputs": b"translate English to German: A dog.", "targets": b"Ein Hund."}
+
+
+def test_formatters_name_a_missing_feature_and_the_features_there_are():
+    ds = tf.data.Dataset.from_tensors({"sentence": "good", "lbl": "1"})
+    with pytest.raises(preprocessors.MissingFeatureError) as e:
+        preprocessors.text_to_text(ds, prefix="sst2", feature_names=("sentence",))
+    assert str(e.value) == (
+        "preprocessor text_to_text asks for feature 'label', but its input has features "
+        "['sentence', 'lbl']"
+    )
+    assert (e.value.feature, e.value.available) == ("label", ["sentence", "lbl"])
+    with pytest.raises(preprocessors.MissingFeatureError, match="translate asks for feature 'de'"):
+        preprocessors.translate(ds, "English", "German", "sentence", "de")
+    with pytest.raises(preprocessors.MissingFeatureError, match="prefixed_pair asks for .* 'src'"):
+        preprocessors.prefixed_pair(ds, "summarize: ", "src", "sentence")
+    with pytest.raises(preprocessors.MissingFeatureError, match="text_as_targets asks for .* 'text'"):
+        preprocessors.unsupervised_preprocessors("span_corruption")[0](ds)
+
+
+def test_bad_lengths_and_objectives_are_config_errors():
+    with pytest.raises(ConfigError, match=r"TASK_FEATURE_LENGTHS\['inputs'\]\) of at least 3, got 2"):
+        preprocessors.random_spans_helper(2)
+    with pytest.raises(ConfigError, match="Unknown objective 'mlm'"):
+        preprocessors.unsupervised_preprocessors("mlm")

@@ -31,7 +31,8 @@ def _write_fixture_data(root) -> None:
         d.mkdir(parents=True)
         rows = "".join(f"{s}\t{i % 2}\n" for i, s in enumerate(sentences))
         for split in ("train", "dev"):
-            (d / f"{split}.tsv").write_text("sentence\tlabel\n" + rows)
+            # Saved by an editor that writes a UTF-8 byte-order mark: still 'sentence'.
+            (d / f"{split}.tsv").write_text("\ufeffsentence\tlabel\n" + rows, encoding="utf-8")
     d = root / "glue" / "RTE"
     d.mkdir(parents=True)
     rows = "".join(
