@@ -17,6 +17,10 @@ Output: `output_file`, one JSON object per input line, in input order:
   mode 'score':   {"input": str, "target": str, "score": float}
                   score = sum of the target's token log-likelihoods
 
+Relative paths (checkpoint, input and output files) are relative to the working
+directory. A checkpoint root (MODEL_DIR) is read at its newest intact step: corrupt
+newer steps are skipped with a warning naming the bad file.
+
 Resuming: lines already in `output_file` are kept and only the missing ones are
 computed and appended (a partly written last line is dropped first), so a re-run
 after an interruption is cheap. The last kept line must belong to the same input,
@@ -41,6 +45,8 @@ import tqdm
 from absl import logging
 
 from t5x_lite import checkpoints, file_sources, inference, models, network
+from t5x_lite.checkpoint_files import not_a_directory, shown
+from t5x_lite.errors import ConfigError
 
 MODES = ("predict", "score")
 
@@ -74,12 +80,12 @@ def read_input_file(path: str) -> tuple[list[str], list[str] | None]:
     """(inputs, targets or None) of a `.jsonl` or `.tsv` file.
 
     Raises:
-      FileNotFoundError: naming a missing file.
-      file_sources.DataFileError: naming `file:line` of a malformed line, or the file
-        when it has no `inputs` field/column.
+      file_sources.DataFileError: naming a missing file, `file:line` of a malformed
+        line, or the file when it has no `inputs` field/column.
     """
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"Input file does not exist: {path}")
+    if not os.path.isfile(path):
+        what = "is a directory" if os.path.isdir(path) else "does not exist"
+        raise file_sources.DataFileError(f"Input file {what}: {shown(path)}")
     if path.endswith((".jsonl", ".json")):
         fields = {"inputs": "inputs"}
         if _jsonl_has_targets(path):
@@ -126,14 +132,14 @@ def task_examples(name: str, split: str, lengths: Mapping[str, int]) -> list[Exa
     """The preprocessed examples of a task split, in order.
 
     Raises:
-      ValueError: for a mixture (infer runs one task) or a split the task lacks.
+      ConfigError: for a mixture (infer runs one task) or a split the task lacks.
     """
     task = seqio.get_mixture_or_task(name)
     if isinstance(task, seqio.Mixture):
-        raise ValueError(f"{name} is a mixture; infer runs one task, e.g. one of "
-                         f"{sorted(t.name for t in task.tasks)}.")
+        raise ConfigError(f"{name} is a mixture; infer runs one task, e.g. one of "
+                          f"{sorted(t.name for t in task.tasks)}.")
     if split not in task.splits:
-        raise ValueError(f"Task {name} has no split {split!r} (has {list(task.splits)}).")
+        raise ConfigError(f"Task {name} has no split {split!r} (has {list(task.splits)}).")
     features = task.output_features
     dataset = task.get_dataset(sequence_length=dict(lengths), split=split, shuffle=False,
                                num_epochs=1)
@@ -170,6 +176,15 @@ def make_batch(examples: Sequence[Example], lengths: Mapping[str, int]) -> dict[
 # ------------------------------------------------------------------ resumable output
 
 
+def _input_of(line: str) -> Any:
+    """The `input` field of an output line; None when the line is not a JSON object."""
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError:
+        return None
+    return record.get("input") if isinstance(record, dict) else None
+
+
 class ResumableJsonl:
     """An output JSONL file that keeps its complete lines and appends the rest."""
 
@@ -177,14 +192,15 @@ class ResumableJsonl:
         """Opens `path`, drops a partly written last line, checks the kept lines.
 
         Args:
-          path: the output file (created with its directory if missing).
+          path: the output file (created with its directory if missing); relative to
+            the working directory unless absolute.
           inputs: the input texts, in order; line i must hold `inputs[i]`.
 
         Raises:
-          ValueError: when the file has more lines than there are inputs, or its last
+          ConfigError: when the file has more lines than there are inputs, or its last
             line was written for a different input.
         """
-        self.path = path
+        self.path = path = os.path.abspath(path)
         self.done = 0
         last: str | None = None
         if os.path.exists(path):
@@ -197,12 +213,12 @@ class ResumableJsonl:
             lines = complete.decode("utf-8").splitlines()
             self.done, last = len(lines), (lines[-1] if lines else None)
         if self.done > len(inputs):
-            raise ValueError(f"{path} has {self.done} lines but there are only {len(inputs)} "
-                             "inputs; was it written for another input?")
-        if last is not None and json.loads(last).get("input") != inputs[self.done - 1]:
-            raise ValueError(f"{path}:{self.done} was written for a different input than "
-                             f"input {self.done}; use a new output file.")
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            raise ConfigError(f"{path} has {self.done} lines but there are only {len(inputs)} "
+                              "inputs; was it written for another input?")
+        if last is not None and _input_of(last) != inputs[self.done - 1]:
+            raise ConfigError(f"{path}:{self.done} was written for a different input than "
+                              f"input {self.done}; use a new output file.")
+        os.makedirs(os.path.dirname(path), exist_ok=True)
         self._file = open(path, "a", encoding="utf-8") if jax.process_index() == 0 else None
 
     def append(self, records: Sequence[Mapping[str, Any]]) -> None:
@@ -240,14 +256,22 @@ def _records(runner: inference.ModelRunner, params: Any, batch_examples: Sequenc
     return records, int(np.count_nonzero(tokens))
 
 
+def _check_output_file(path: str) -> None:
+    """Raises ConfigError naming OUTPUT_FILE when it, or its directory, cannot be written."""
+    if os.path.isdir(path):
+        raise ConfigError(f"OUTPUT_FILE {shown(path)} is a directory, not a file")
+    if problem := not_a_directory("OUTPUT_FILE's directory", os.path.dirname(path) or "."):
+        raise ConfigError(problem)
+
+
 def _check_inputs(examples: Sequence[Example], mode: str, source: str) -> None:
     """Score mode needs a target for every input."""
     if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}, got {mode!r}.")
+        raise ConfigError(f"mode must be one of {MODES}, got {mode!r}.")
     missing = [i for i, ex in enumerate(examples) if ex.target_text is None]
     if mode == "score" and missing:
-        raise ValueError(f"mode 'score' needs targets, but {source} has none for input "
-                         f"{missing[0] + 1} (a 'targets' field / column).")
+        raise ConfigError(f"mode 'score' needs targets, but {source} has none for input "
+                          f"{missing[0] + 1} (a 'targets' field / column).")
 
 
 @gin.configurable(denylist=["build_model"])
@@ -268,7 +292,8 @@ def infer(
 
     Args:
       build_model: T5Config -> model (the entry point passes `train_loop.build_model`).
-      checkpoint_path: a step directory or a checkpoint root (its latest step is used).
+      checkpoint_path: a step directory or a checkpoint root (its newest intact step is
+        used).
       output_file: the JSONL output (see the module docstring).
       task_feature_lengths: {'inputs': n, 'targets': m}; m is the decode length.
       input_file: a .jsonl / .tsv input file; or
@@ -282,11 +307,16 @@ def infer(
 
     Returns:
       {'examples': new lines written, 'examples_per_sec', 'tokens_per_sec'}.
+
+    Raises:
+      CheckpointError: no checkpoint at `checkpoint_path`, or a corrupt one.
+      ConfigError, file_sources.DataFileError: bad options or inputs, naming them.
     """
     if (input_file is None) == (mixture_or_task_name is None):
-        raise ValueError("Set exactly one of INPUT_FILE and MIXTURE_OR_TASK_NAME.")
-    steps = inference.checkpoint_steps(checkpoint_path)
-    step, step_dir = steps[-1]
+        raise ConfigError("Set exactly one of INPUT_FILE and MIXTURE_OR_TASK_NAME.")
+    _check_output_file(output_file)
+    step_dir = checkpoints.resolve_step_dir(checkpoint_path)  # verified
+    step = inference.step_number(step_dir)
     model = build_model(inference.network_config(step_dir))
     if input_file is not None:
         examples, source = file_examples(input_file, model, task_feature_lengths), input_file
@@ -313,7 +343,7 @@ def _run(model: models.EncoderDecoderModel, step_dir: Any, examples: Sequence[Ex
     """Restores params and writes the missing lines with a progress bar."""
     mesh, rules = inference.mesh_and_rules()
     abstract, shardings = inference.abstract_params(model, mesh, rules)
-    params = checkpoints.restore_params(step_dir, abstract)
+    params = checkpoints.restore_params(step_dir, abstract, verify_checksums=False)  # verified
     runner = inference.ModelRunner(model, mesh, rules, shardings, decode, batch_size)
     todo = examples[output.done:]
     generated, start = 0, time.perf_counter()

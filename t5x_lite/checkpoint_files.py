@@ -1,10 +1,18 @@
-"""Integrity manifest of a checkpoint step: files.json with sizes and CRC32s.
+"""Checkpoint files: user paths, the integrity manifest, skipping corrupt steps.
 
-Orbax commits a step atomically but does not detect a file truncated or
-corrupted afterwards (disk full, partial copy, bit rot); tensorstore then fails
-with messages that do not always name the file, or silently reads a stale
-duplicate. `write_file_manifest` records every file of a committed step;
-`verify_files` checks them before a restore and names the first bad file.
+Paths: `absolute_path` makes a user's relative path absolute (orbax needs
+absolute paths; URLs such as gs:// are kept), `shown` names a path in messages
+as the user wrote it and as resolved, `not_a_directory` explains why a path
+cannot be used as an output directory.
+
+Integrity: orbax commits a step atomically but does not detect a file truncated
+or corrupted afterwards (disk full, partial copy, bit rot); tensorstore then
+fails with messages that do not always name the file, or silently reads a stale
+duplicate. `write_file_manifest` records every file of a committed step in
+files.json; `verify_files` checks them before a restore and names the first bad
+file. `newest_intact` and `intact_steps` skip corrupt steps of a checkpoint
+root with a warning naming the bad file and leave them as they are (training
+moves them aside before it saves, see `checkpoints.TrainCheckpointer`).
 """
 
 from __future__ import annotations
@@ -12,19 +20,65 @@ from __future__ import annotations
 import json
 import os
 import zlib
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
+from absl import logging
 from etils import epath
+
+from t5x_lite.errors import UserError
 
 FILE_MANIFEST = "files.json"
 _CRC_CHUNK_BYTES = 1 << 24
+_T = TypeVar("_T")
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(UserError, RuntimeError):
   """Base class of the errors raised for unusable checkpoints."""
+
+
+class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
+  """No checkpoint (or no such step) at the path given."""
 
 
 class CorruptCheckpointError(CheckpointError):
   """A checkpoint file is truncated, corrupt or missing."""
+
+
+def absolute_path(path: epath.PathLike) -> epath.Path:
+  """`path` made absolute against the working directory; URLs (gs://...) as given."""
+  text = os.fspath(path)
+  return epath.Path(text if "://" in text else os.path.abspath(text))
+
+
+def shown(given: epath.PathLike) -> str:
+  """How messages name a user's path: as given, and resolved when that differs."""
+  resolved = os.fspath(absolute_path(given))
+  return resolved if os.fspath(given) == resolved else f"{os.fspath(given)} ({resolved})"
+
+
+def not_a_directory(name: str, given: epath.PathLike) -> str | None:
+  """Why `given` cannot be (created as) directory `name`, or None if it can.
+
+  Args:
+    name: what the directory is, e.g. 'MODEL_DIR'.
+    given: the path as the user gave it.
+
+  Returns:
+    A message naming the path when it, or its nearest existing parent, is not a
+    directory; None otherwise (URLs are not checked).
+  """
+  path = absolute_path(given)
+  if "://" in os.fspath(path):
+    return None
+  existing = path
+  while not existing.exists() and existing.parent != existing:
+    existing = existing.parent
+  if existing.is_dir():
+    return None
+  if existing == path:
+    return f"{name} {shown(given)} is a file, not a directory"
+  return f"{name} {shown(given)} cannot be created: {existing} is a file, not a directory"
 
 
 def _crc32(path: epath.Path) -> int:
@@ -95,3 +149,85 @@ def verify_files(step_dir: epath.PathLike, *, checksums: bool = True) -> bool:
           f"Checkpoint file corrupt (CRC32 mismatch): {path}"
       )
   return True
+
+
+Corrupt = Sequence[tuple[int, CorruptCheckpointError]]
+
+
+def _details(corrupt: Corrupt) -> str:
+  """'step N: <error naming the bad file>; ...' of corrupt steps."""
+  return "; ".join(f"step {step}: {str(error).rstrip('.')}" for step, error in corrupt)
+
+
+def _warn_skipped(corrupt: Corrupt, instead: str) -> None:
+  """One loud warning naming every corrupt step, its bad file and what is used instead."""
+  logging.warning(
+      "CORRUPT CHECKPOINT STEP%s %s skipped (%s); %s. The corrupt files are left as they are.",
+      "S" if len(corrupt) > 1 else "", ", ".join(str(step) for step, _ in corrupt),
+      _details(corrupt), instead)
+
+
+def _none_intact(root: epath.Path, corrupt: Corrupt) -> CorruptCheckpointError:
+  """The error when every step of `root` is corrupt, naming each bad file."""
+  return CorruptCheckpointError(f"No intact checkpoint step in {root}: {_details(corrupt)}")
+
+
+def newest_intact(root: epath.Path, steps: Sequence[int], load: Callable[[int], _T]
+                  ) -> tuple[int, _T]:
+  """Loads the newest step whose `load` raises no `CorruptCheckpointError`.
+
+  Args:
+    root: the checkpoint root (for messages).
+    steps: its step numbers.
+    load: step -> result; raises `CorruptCheckpointError` for a corrupt step
+      (e.g. `verify_files` of the step directory, or a full restore).
+
+  Returns:
+    (step, load(step)) of the newest intact step; skipped corrupt newer steps
+    are named in one warning.
+
+  Raises:
+    CorruptCheckpointError: if every step is corrupt, naming each bad file.
+  """
+  corrupt = []
+  for step in sorted(steps, reverse=True):
+    try:
+      result = load(step)
+    except CorruptCheckpointError as e:
+      corrupt.append((step, e))
+      continue
+    if corrupt:
+      _warn_skipped(corrupt, f"using step {step} of {root} instead")
+    return step, result
+  raise _none_intact(root, corrupt)
+
+
+def intact_steps(root: epath.Path, steps: Sequence[tuple[int, epath.Path]], *,
+                 checksums: bool = True) -> list[tuple[int, epath.Path]]:
+  """The (step, step directory) pairs whose files verify (`verify_files`).
+
+  Args:
+    root: the checkpoint root (for messages).
+    steps: (step, step directory) pairs of `root`.
+    checksums: also compare CRC32s.
+
+  Returns:
+    The intact pairs, in the given order; skipped corrupt ones are named in
+    one warning.
+
+  Raises:
+    CorruptCheckpointError: if every step is corrupt, naming each bad file.
+  """
+  intact, corrupt = [], []
+  for step, step_dir in steps:
+    try:
+      verify_files(step_dir, checksums=checksums)
+    except CorruptCheckpointError as e:
+      corrupt.append((step, e))
+      continue
+    intact.append((step, step_dir))
+  if not intact and corrupt:
+    raise _none_intact(root, corrupt)
+  if corrupt:
+    _warn_skipped(corrupt, f"using steps {[step for step, _ in intact]} of {root}")
+  return intact

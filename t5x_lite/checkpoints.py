@@ -1,6 +1,7 @@
 """Thin orbax layer: training checkpoints, fine-tuning restores, integrity checks.
 
-Layout (a checkpoint ROOT is an orbax `CheckpointManager` directory):
+Layout (a checkpoint ROOT is an orbax `CheckpointManager` directory; relative
+paths are taken relative to the working directory):
 
   <root>/<step>/params/         StandardSave of the plain (unboxed) params dict
   <root>/<step>/opt_state/      StandardSave of the optax state (training only)
@@ -12,7 +13,9 @@ Layout (a checkpoint ROOT is an orbax `CheckpointManager` directory):
 `files.json` is written once a step is fully committed. Before a restore every
 listed file is checked, so a truncated or corrupt file fails with an error that
 names it instead of an opaque tensorstore message, and nothing is restored from
-a damaged step. Older steps are never touched by a failed restore.
+a damaged step. Older steps are never touched by a failed restore. Given a
+root, restores fall back to the newest intact step (warning about the corrupt
+newer ones); given one step directory, a corrupt step is an error.
 
 Restores go straight into the target shardings: callers pass an abstract tree
 of `jax.ShapeDtypeStruct`s carrying `sharding`, and the on-disk tree is first
@@ -36,10 +39,16 @@ from etils import epath
 
 from t5x_lite.checkpoint_files import (
     CheckpointError,
+    CheckpointNotFoundError,
     CorruptCheckpointError,
+    absolute_path,
+    newest_intact,
+    not_a_directory,
+    shown,
     verify_files,
     write_file_manifest,
 )
+from t5x_lite.errors import ConfigError
 
 PARAMS = "params"
 OPT_STATE = "opt_state"
@@ -133,32 +142,61 @@ def check_tree_matches(
 # Params-only checkpoints (fine-tuning, HF conversion).
 
 
-def resolve_step_dir(path: epath.PathLike, step: int | None = None) -> epath.Path:
-  """Returns the step directory for a checkpoint root or step directory.
+def is_step_dir(path: epath.PathLike) -> bool:
+  """Whether `path` is one step directory (it holds `params/`), not a checkpoint root."""
+  return (absolute_path(path) / PARAMS).is_dir()
+
+
+def root_steps(root: epath.PathLike) -> list[int]:
+  """The numbered step directories holding `params/` of a checkpoint root, ascending.
+
+  Raises:
+    CheckpointNotFoundError: naming `root` (as given and absolute) when it does
+      not exist or holds no step.
+  """
+  path = absolute_path(root)
+  steps = sorted(
+      int(p.name) for p in path.iterdir() if p.name.isdigit() and (p / PARAMS).is_dir()
+  ) if path.is_dir() else []
+  if not steps:
+    why = ("expected a step directory with params/ or a MODEL_DIR with numbered step "
+           "directories" if path.exists() else "it does not exist")
+    raise CheckpointNotFoundError(f"No checkpoint at {shown(root)}: {why}")
+  return steps
+
+
+def resolve_step_dir(
+    path: epath.PathLike, step: int | None = None, *, verify_checksums: bool = True
+) -> epath.Path:
+  """Returns the verified, absolute step directory of a checkpoint root or step directory.
 
   Args:
     path: a checkpoint root (`<root>` with `<step>/` subdirectories) or one
       step directory (containing `params/`).
-    step: step to pick from a root; None means the latest.
+    step: step to pick from a root; None means the newest intact one: newer
+      corrupt steps are skipped with a warning naming the bad file.
+    verify_checksums: also compare CRC32s (sizes are always compared).
 
   Raises:
-    FileNotFoundError: if no checkpoint is found.
+    CheckpointNotFoundError: if no checkpoint or no such step is found.
+    CorruptCheckpointError: if the step directory given, the step asked for,
+      or every step of the root is corrupt.
   """
-  path = epath.Path(path)
-  if (path / PARAMS).is_dir():
-    return path
-  if not path.is_dir():
-    raise FileNotFoundError(f"No checkpoint at {path}")
-  steps = sorted(
-      int(p.name) for p in path.iterdir() if p.name.isdigit() and (p / PARAMS).is_dir()
-  )
-  if not steps:
-    raise FileNotFoundError(f"No checkpoint steps with '{PARAMS}' under {path}")
+  directory = absolute_path(path)
+  if is_step_dir(directory):
+    verify_files(directory, checksums=verify_checksums)
+    return directory
+  steps = root_steps(path)
   if step is None:
-    return path / str(steps[-1])
-  if step not in steps:
-    raise FileNotFoundError(f"Step {step} not in {path} (have {steps})")
-  return path / str(step)
+    step, _ = newest_intact(
+        directory, steps,
+        lambda s: verify_files(directory / str(s), checksums=verify_checksums),
+    )
+  elif step not in steps:
+    raise CheckpointNotFoundError(f"Step {step} not in {shown(path)} (have {steps})")
+  else:
+    verify_files(directory / str(step), checksums=verify_checksums)
+  return directory / str(step)
 
 
 def _cast_abstract(target: Any, dtype: str | None) -> Any:
@@ -206,10 +244,12 @@ def restore_params(
   """Restores only the `params` item of a checkpoint (fine-tuning start).
 
   Args:
-    path: checkpoint root or step directory (training run or HF conversion).
+    path: checkpoint root or step directory (training run or HF conversion);
+      relative paths are relative to the working directory.
     target: abstract params tree (`jax.ShapeDtypeStruct` with shardings),
       plain (unboxed) and without a 'params' wrapper.
-    step: step to restore from a root; None means the latest.
+    step: step to restore from a root; None means the newest intact one
+      (`resolve_step_dir`).
     dtype: optional dtype every parameter is cast to on restore; by default
       each parameter gets the dtype of its `target` leaf.
     verify_checksums: compare CRC32s from files.json before restoring.
@@ -218,11 +258,11 @@ def restore_params(
     The params tree, sharded like `target`.
 
   Raises:
+    CheckpointNotFoundError: naming a path that holds no checkpoint.
     CheckpointMismatchError: listing missing/unexpected/reshaped parameters.
     CorruptCheckpointError: naming a damaged file.
   """
-  step_dir = resolve_step_dir(path, step)
-  verify_files(step_dir, checksums=verify_checksums)
+  step_dir = resolve_step_dir(path, step, verify_checksums=verify_checksums)
   logging.info("Restoring params from %s", step_dir)
   return _restore_item(step_dir / PARAMS, _cast_abstract(target, dtype), PARAMS)
 
@@ -244,16 +284,26 @@ def write_params_checkpoint(
 
   Returns:
     The step directory written.
+
+  Raises:
+    CheckpointError: if `root` or a parent of it is a file, or `root` already
+      has the step.
   """
+  if problem := not_a_directory("Checkpoint directory", root):
+    raise CheckpointError(problem)
+  if (absolute_path(root) / str(step)).exists():
+    raise CheckpointError(
+        f"Checkpoint directory {shown(root)} already has step {step}; write to a new directory"
+    )
   items = {PARAMS: ocp.args.StandardSave(params)}
   if config is not None:
     items[CONFIG] = ocp.args.JsonSave(dict(config))
   with ocp.CheckpointManager(
-      epath.Path(root).absolute(),
+      absolute_path(root),
       options=ocp.CheckpointManagerOptions(enable_async_checkpointing=False),
   ) as manager:
     manager.save(step, args=ocp.args.Composite(**items), force=True)
-  step_dir = epath.Path(root).absolute() / str(step)
+  step_dir = absolute_path(root) / str(step)
   if jax.process_index() == 0:
     write_file_manifest(step_dir)
   return step_dir
@@ -322,6 +372,7 @@ class IteratorRestore(ocp.args.CheckpointArgs):
 class Restored:
   """What a training restore returns."""
 
+  step: int
   params: Any
   opt_state: Any
   meta: dict[str, Any]
@@ -334,6 +385,13 @@ class TrainCheckpointer:
   Orbax writes steps asynchronously (the device->host copy blocks, the file
   writes do not), keeps the latest `keep`, and commits each step atomically,
   so a `kill -9` loses at most the steps since the last committed save.
+
+  Corrupt steps: `restore_latest` falls back past corrupt newer steps to the
+  newest intact one, leaving them as they are. Training then redoes their
+  steps, so before its first save the corrupt steps are moved aside to
+  `<step>.corrupt` (files unchanged, with a warning naming both paths): the
+  redone steps are saved under their own numbers, orbax sees a consistent
+  history and never rotates out an intact step in favour of a corrupt one.
   """
 
   def __init__(
@@ -348,16 +406,22 @@ class TrainCheckpointer:
     """Opens (and creates) the checkpoint root.
 
     Args:
-      directory: checkpoint root, usually MODEL_DIR.
+      directory: checkpoint root, usually MODEL_DIR; relative paths are
+        relative to the working directory.
       save_period: save every this many steps (plus a final save).
       keep: number of most recent steps to keep; None keeps all.
       async_save: write files in a background thread.
       verify_checksums: compare CRC32s of every file before restoring
         (sizes are always compared).
+
+    Raises:
+      CheckpointError: if MODEL_DIR or a parent of it is a file.
     """
     if save_period <= 0:
-      raise ValueError(f"save_period must be positive, got {save_period}")
-    self.directory = epath.Path(directory).absolute()
+      raise ConfigError(f"TrainCheckpointer.save_period must be positive, got {save_period}")
+    if problem := not_a_directory("MODEL_DIR", directory):
+      raise CheckpointError(problem)
+    self.directory = absolute_path(directory)
     self.save_period = save_period
     self._verify_checksums = verify_checksums
     options = ocp.CheckpointManagerOptions(
@@ -377,10 +441,12 @@ class TrainCheckpointer:
         self.directory, options=options, handler_registry=registry
     )
     self._unmanifested: int | None = None
+    self._corrupt: list[int] = []  # found by `restore_latest`, not yet moved aside
 
   def latest_step(self) -> int | None:
-    """The newest committed step, or None."""
-    return self._manager.latest_step()
+    """The newest committed step not found corrupt by `restore_latest`, or None."""
+    steps = [s for s in self._manager.all_steps() if s not in self._corrupt]
+    return max(steps, default=None)
 
   def all_steps(self) -> list[int]:
     """All committed steps, ascending."""
@@ -408,6 +474,8 @@ class TrainCheckpointer:
         `step` is added.
       iterator: the training input iterator, saved per host.
     """
+    if self._corrupt:
+      self._set_aside_corrupt()
     if step in self._manager.all_steps():
       return False
     self._finish_pending()
@@ -455,7 +523,53 @@ class TrainCheckpointer:
     except Exception as e:  # JSON / tf.data errors: name the step directory
       raise CheckpointError(f"Cannot restore {step_dir}: {e}") from e
     logging.info("Restored training checkpoint %s", step_dir)
-    return Restored(params=params, opt_state=opt_state, meta=dict(restored[TRAIN_META]))
+    return Restored(step=step, params=params, opt_state=opt_state,
+                    meta=dict(restored[TRAIN_META]))
+
+  def restore_latest(
+      self,
+      abstract_params: Any,
+      abstract_opt_state: Any,
+      iterator: CheckpointableIterator | None = None,
+  ) -> Restored | None:
+    """Restores the newest intact step (see `restore`); None without any step.
+
+    A step that fails verification (or whose restore raises
+    `CorruptCheckpointError`) is skipped for the next older one, with a
+    warning naming the bad step, its file and the step used instead; the
+    skipped steps are moved aside before the next `save` (see the class).
+
+    Raises:
+      CheckpointMismatchError: the newest intact step holds a different model.
+      CorruptCheckpointError: every step is corrupt, naming each bad file.
+    """
+    steps = self.all_steps()
+    if not steps:
+      return None
+    step, restored = newest_intact(
+        self.directory, steps,
+        lambda s: self.restore(s, abstract_params, abstract_opt_state, iterator),
+    )
+    self._corrupt = [s for s in steps if s > step]
+    return restored
+
+  def _set_aside_corrupt(self) -> None:
+    """Moves the corrupt steps found by `restore_latest` to `<step>.corrupt`."""
+    if jax.process_index() == 0:
+      for step in self._corrupt:
+        source = self.directory / str(step)
+        target = self.directory / f"{step}.corrupt"
+        n = 1
+        while target.exists():  # a step corrupted again after an earlier move
+          n += 1
+          target = self.directory / f"{step}.corrupt.{n}"
+        source.rename(target)
+        logging.warning(
+            "Moved corrupt checkpoint step %s to %s (files unchanged) before saving the "
+            "steps training redoes; delete it once inspected.", source, target)
+    ocp.multihost.sync_global_processes("t5x_lite_set_aside_corrupt_steps")
+    self._manager.reload()
+    self._corrupt = []
 
   def _finish_pending(self) -> None:
     """Waits for the running save and writes its files.json."""

@@ -18,7 +18,10 @@ and writes, under EVAL_OUTPUT_DIR:
 Steps whose JSON file exists are skipped, so re-running over a growing MODEL_DIR
 only evaluates new checkpoints. The file records the run (task, split, lengths,
 number of examples, decoding); a different run in the same EVAL_OUTPUT_DIR is
-refused instead of silently skipped.
+refused instead of silently skipped. Corrupt steps of a MODEL_DIR (files that do
+not match their files.json) are skipped with a warning naming the bad file; a
+corrupt step directory given as CHECKPOINT_PATH is an error. Relative paths are
+relative to the working directory.
 
 `training_evaluator` builds the same evaluation for the train loop (gin knob
 `train.infer_eval_period`): metrics come back as `{"<task>/<metric>": value}`
@@ -45,6 +48,8 @@ import tqdm
 from absl import logging
 
 from t5x_lite import checkpoints, data, inference, models, network, partitioning
+from t5x_lite.checkpoint_files import absolute_path, intact_steps, not_a_directory, verify_files
+from t5x_lite.errors import ConfigError
 
 PyTree = Any
 Metrics = dict[str, dict[str, float]]
@@ -120,7 +125,7 @@ class TaskEvaluator:
           logger_cls: seqio loggers (TensorBoard, predictions JSONL, ...).
 
         Raises:
-          ValueError: if no task of the mixture has the split.
+          ConfigError: if no task of the mixture has the split.
         """
         self.runner, self.cfg, self.num_examples = runner, dataset_cfg, num_examples
         name, split = dataset_cfg.mixture_or_task_name, dataset_cfg.split
@@ -132,7 +137,7 @@ class TaskEvaluator:
         subtasks = seqio.get_subtasks(seqio.get_mixture_or_task(name))
         self.loss_tasks = [t for t in subtasks if split in t.splits and not t.metric_objs]
         if not self.loss_tasks and not self.seqio.eval_tasks:
-            raise ValueError(f"No task of {name} has a {split!r} split.")
+            raise ConfigError(f"No task of {name} has a {split!r} split.")
         for task in self.loss_tasks:
             logging.warning("Note: task %s has no metric functions; evaluating its loss "
                             "(mean negative log-likelihood per target token) only.", task.name)
@@ -143,8 +148,8 @@ class TaskEvaluator:
         """Model features of a loss-only task, cached in memory."""
         lengths = self.cfg.task_feature_lengths
         if lengths is None:
-            raise ValueError(f"Task {task.name} has no metrics, so it is evaluated by its loss, "
-                             "which needs TASK_FEATURE_LENGTHS (got None).")
+            raise ConfigError(f"Task {task.name} has no metrics, so it is evaluated by its loss, "
+                              "which needs TASK_FEATURE_LENGTHS (got None).")
         ds = task.get_dataset(sequence_length=dict(lengths), split=self.cfg.split, shuffle=False,
                               num_epochs=1, seed=self.cfg.seed)
         if self.num_examples is not None:
@@ -188,7 +193,7 @@ class TaskEvaluator:
             tokens += float((features["decoder_loss_weights"] > 0).sum())
             examples += len(features["decoder_target_tokens"])
         if tokens == 0:
-            raise ValueError(f"Task {task.name} has no target tokens in split {self.cfg.split}.")
+            raise ConfigError(f"Task {task.name} has no target tokens in split {self.cfg.split}.")
         return {"loss": total / tokens, "num_examples": float(examples)}
 
     def evaluate(self, params: PyTree, step: int) -> Metrics:
@@ -238,8 +243,8 @@ def _pending_steps(steps: Sequence[tuple[int, Any]], output_dir: str,
         if previous != run:
             changed = sorted(k for k in set(run) | set(previous or {})
                              if (previous or {}).get(k) != run.get(k))
-            raise ValueError(f"{path} was written by a different evaluation (differs in "
-                             f"{changed}); use another EVAL_OUTPUT_DIR.")
+            raise ConfigError(f"{path} was written by a different evaluation (differs in "
+                              f"{changed}); use another EVAL_OUTPUT_DIR.")
         logging.info("Step %d already evaluated (%s); skipping.", step, path)
     return pending
 
@@ -271,7 +276,8 @@ def evaluate_checkpoints(
     Args:
       build_model: T5Config -> model (the entry point passes `train_loop.build_model`);
         the config is the checkpoint's, overridden by `T5Config.*` gin bindings.
-      checkpoint_path: one step directory, or a checkpoint root (MODEL_DIR): all steps.
+      checkpoint_path: one step directory, or a checkpoint root (MODEL_DIR): all its
+        intact steps.
       output_dir: EVAL_OUTPUT_DIR.
       dataset_cfg: task/mixture, split, task_feature_lengths, batch_size, seed.
       decode: decoding options for prediction metrics.
@@ -281,8 +287,14 @@ def evaluate_checkpoints(
       {step: {task: {metric: value}}} of the steps evaluated by this call.
 
     Raises:
-      FileNotFoundError: naming a checkpoint path that does not exist or holds none.
+      CheckpointNotFoundError: naming a checkpoint path that does not exist or holds none.
+      CorruptCheckpointError: the step directory given, or every step to evaluate of a
+        MODEL_DIR, is corrupt.
+      ConfigError: EVAL_OUTPUT_DIR is a file, or holds results of a different evaluation.
     """
+    if problem := not_a_directory("EVAL_OUTPUT_DIR", output_dir):
+        raise ConfigError(problem)
+    output_dir = os.fspath(absolute_path(output_dir))
     steps = inference.checkpoint_steps(checkpoint_path)
     run = _run_description(dataset_cfg, num_examples, decode)
     pending = _pending_steps(steps, output_dir, run)
@@ -290,6 +302,10 @@ def evaluate_checkpoints(
         logging.info("All %d checkpoint steps of %s are already evaluated in %s.", len(steps),
                       checkpoint_path, output_dir)
         return {}
+    if checkpoints.is_step_dir(checkpoint_path):
+        verify_files(pending[0][1])
+    else:
+        pending = intact_steps(absolute_path(checkpoint_path), pending)
     os.makedirs(output_dir, exist_ok=True)
     model = build_model(inference.network_config(pending[-1][1]))
     mesh, rules = inference.mesh_and_rules()
@@ -301,7 +317,8 @@ def evaluate_checkpoints(
     evaluated = {}
     for step, step_dir in pending:
         start = time.perf_counter()
-        params = checkpoints.restore_params(step_dir, abstract)
+        params = checkpoints.restore_params(step_dir, abstract,
+                                            verify_checksums=False)  # verified above
         evaluated[step] = evaluator.evaluate(params, step)
         if jax.process_index() == 0:
             path = _write_step(output_dir, step, step_dir, run, evaluated[step],
@@ -345,10 +362,10 @@ def training_evaluator(
       fn(params, step) -> {"<task>/<metric>": value}.
 
     Raises:
-      ValueError: without any data to evaluate.
+      ConfigError: without any data to evaluate.
     """
     if dataset_cfg is None and eval_dataset_cfg is None:
-        raise ValueError("train.infer_eval_period needs train.eval_dataset_cfg or "
+        raise ConfigError("train.infer_eval_period needs train.eval_dataset_cfg or "
                          "training_evaluator.dataset_cfg.")
     cfg = dataset_cfg or dataclasses.replace(eval_dataset_cfg, shuffle=False, pack=False)
     runner = inference.ModelRunner(model, mesh, rules, param_shardings,

@@ -8,7 +8,10 @@ loads. Both directions are exact: tensors are only transposed and reshaped, neve
 rescaled (HF's query kernel, like T5X's, has the 1/sqrt(head_dim) factor folded in).
 
 Only safetensors are read; PyTorch pickles (`pytorch_model.bin`) are refused, since
-unpickling can run arbitrary code.
+unpickling can run arbitrary code. Unusable inputs raise `CheckpointError`s naming
+the file or tensor: missing files `CheckpointNotFoundError`, unreadable ones
+`CorruptCheckpointError`, configs or tensors that cannot be converted exactly
+`HFCheckpointError`.
 """
 
 from __future__ import annotations
@@ -25,6 +28,9 @@ import numpy as np
 import safetensors
 import safetensors.numpy
 
+from t5x_lite.checkpoint_files import (CheckpointError, CheckpointNotFoundError,
+                                       CorruptCheckpointError)
+from t5x_lite.errors import ConfigError
 from t5x_lite.network import T5Config
 
 CONFIG_NAME = "config.json"
@@ -43,6 +49,10 @@ _EMBEDDING_ALIASES = ("encoder.embed_tokens.weight", "decoder.embed_tokens.weigh
 _IGNORED = ("decoder.block.0.layer.1.EncDecAttention.relative_attention_bias.weight",)
 
 Params = dict[str, Any]
+
+
+class HFCheckpointError(CheckpointError, ValueError):
+    """An HF config or tensors (or params) that cannot be converted exactly."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -200,16 +210,18 @@ def config_from_hf(
       The equivalent `T5Config`.
 
     Raises:
-      ValueError: if the config describes something t5x_lite cannot run exactly.
+      HFCheckpointError: if the config describes something t5x_lite cannot run exactly.
     """
     model_type = hf_config.get("model_type", "t5")
     if model_type not in ("t5", "mt5"):  # mT5 is T5 1.1 with a bigger vocabulary.
-        raise ValueError(f"model_type={model_type!r} is not supported: expected 't5' or 'mt5'.")
+        raise HFCheckpointError(
+            f"model_type={model_type!r} is not supported: expected 't5' or 'mt5'.")
     if not hf_config.get("is_encoder_decoder", True):
-        raise ValueError("is_encoder_decoder=False: only encoder-decoder T5 models are supported.")
+        raise HFCheckpointError(
+            "is_encoder_decoder=False: only encoder-decoder T5 models are supported.")
     ff_proj = hf_config.get("feed_forward_proj", "relu")
     if ff_proj not in _FF_PROJ_TO_ACTIVATIONS:
-        raise ValueError(
+        raise HFCheckpointError(
             f"Unsupported feed_forward_proj={ff_proj!r}: t5x_lite supports "
             f"{sorted(_FF_PROJ_TO_ACTIVATIONS)} ('relu' = T5 1.0, 'gated-gelu' = T5 1.1)."
         )
@@ -245,11 +257,11 @@ def config_to_hf(config: T5Config) -> dict[str, Any]:
     its constructor) are written.
 
     Raises:
-      ValueError: if `config.mlp_activations` has no transformers equivalent.
+      ConfigError: if `config.mlp_activations` has no transformers equivalent.
     """
     activations = tuple(config.mlp_activations)
     if activations not in _ACTIVATIONS_TO_FF_PROJ:
-        raise ValueError(
+        raise ConfigError(
             f"mlp_activations={activations!r} has no transformers feed_forward_proj; "
             f"supported: {sorted(_ACTIVATIONS_TO_FF_PROJ)}."
         )
@@ -278,6 +290,40 @@ def config_to_hf(config: T5Config) -> dict[str, Any]:
     }
 
 
+def _read_json(path: str) -> Any:
+    """A JSON file of an HF checkpoint directory.
+
+    Raises:
+      CheckpointNotFoundError: if it does not exist.
+      CorruptCheckpointError: if it is not valid JSON.
+    """
+    if not os.path.isfile(path):
+        raise CheckpointNotFoundError(f"{path} not found: expected an HF T5 checkpoint directory "
+                                      f"with {CONFIG_NAME} and {SAFETENSORS_NAME}.")
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CorruptCheckpointError(f"{path}: not a JSON file ({e}).") from e
+
+
+def _read_safetensors_file(path: str) -> dict[str, np.ndarray]:
+    """Every tensor of one safetensors file.
+
+    Raises:
+      CheckpointNotFoundError: if it does not exist.
+      CorruptCheckpointError: naming the file when it is not a (complete) safetensors file.
+    """
+    if not os.path.isfile(path):
+        raise CheckpointNotFoundError(f"{path} not found.")
+    try:
+        with safetensors.safe_open(path, framework="numpy") as f:
+            return {key: f.get_tensor(key) for key in f.keys()}
+    except safetensors.SafetensorError as e:
+        reason = str(e).removeprefix("Error while deserializing header: ")
+        raise CorruptCheckpointError(f"{path}: not a safetensors file ({reason})") from e
+
+
 def read_safetensors(path: str) -> dict[str, np.ndarray]:
     """Reads every tensor of an HF checkpoint directory as numpy arrays.
 
@@ -289,42 +335,43 @@ def read_safetensors(path: str) -> dict[str, np.ndarray]:
       Tensor name -> array (bfloat16 tensors come back as ml_dtypes.bfloat16).
 
     Raises:
-      FileNotFoundError: if there are no safetensors weights, with a conversion
-        hint when only PyTorch pickles are present.
+      CheckpointNotFoundError: if there are no safetensors weights, with a
+        conversion hint when only PyTorch pickles are present, or a shard is missing.
+      CorruptCheckpointError: naming a file that is not valid safetensors or JSON.
     """
     index_file = os.path.join(path, SAFETENSORS_INDEX_NAME)
     if os.path.exists(index_file):
-        with open(index_file) as f:
-            weight_map = json.load(f)["weight_map"]
+        weight_map = _read_json(index_file).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise CorruptCheckpointError(f"{index_file}: no 'weight_map' object.")
         files = sorted(set(weight_map.values()))
     elif os.path.exists(os.path.join(path, SAFETENSORS_NAME)):
         files = [SAFETENSORS_NAME]
     else:
         pickles = [n for n in _PICKLE_NAMES if os.path.exists(os.path.join(path, n))]
         if pickles:
-            raise FileNotFoundError(
+            raise CheckpointNotFoundError(
                 f"{path} has only PyTorch pickle weights ({', '.join(pickles)}), which t5x_lite "
                 "never unpickles. Convert them to safetensors first, e.g. "
                 "`T5ForConditionalGeneration.from_pretrained(path).save_pretrained(new_path)` "
                 "(transformers writes model.safetensors by default)."
             )
-        raise FileNotFoundError(f"No {SAFETENSORS_NAME} or {SAFETENSORS_INDEX_NAME} in {path}.")
+        raise CheckpointNotFoundError(
+            f"No {SAFETENSORS_NAME} or {SAFETENSORS_INDEX_NAME} in {path}.")
     tensors = {}
     for name in files:
-        with safetensors.safe_open(os.path.join(path, name), framework="numpy") as f:
-            for key in f.keys():
-                tensors[key] = f.get_tensor(key)
+        tensors.update(_read_safetensors_file(os.path.join(path, name)))
     return tensors
 
 
 def _check_hf_tensors(tensors: Mapping[str, np.ndarray], specs: list[_Spec], tied: bool) -> None:
-    """Raises ValueError on missing, unexpected, wrong-shaped or inconsistent tensors."""
+    """Raises HFCheckpointError on missing, unexpected, wrong-shaped or inconsistent tensors."""
     expected = {s.hf_name for s in specs}
     aliases = _EMBEDDING_ALIASES + (("lm_head.weight",) if tied else ())
     missing = sorted(expected - tensors.keys())
     unexpected = sorted(tensors.keys() - expected - set(aliases) - set(_IGNORED))
     if missing or unexpected:
-        raise ValueError(
+        raise HFCheckpointError(
             f"HF tensors do not match the config: missing {missing}, unexpected {unexpected}."
         )
     wrong = [
@@ -334,11 +381,12 @@ def _check_hf_tensors(tensors: Mapping[str, np.ndarray], specs: list[_Spec], tie
         if tuple(tensors[s.hf_name].shape) != s.hf_shape
     ]
     if wrong:
-        raise ValueError("Parameter shapes differ from the config:\n  " + "\n  ".join(wrong))
+        raise HFCheckpointError(
+            "Parameter shapes differ from the config:\n  " + "\n  ".join(wrong))
     shared = tensors["shared.weight"]
     for alias in aliases:
         if alias in tensors and not np.array_equal(tensors[alias], shared):
-            raise ValueError(
+            raise HFCheckpointError(
                 f"{alias} differs from shared.weight; t5x_lite has one token embedding "
                 "(and, with tied logits, uses it as the output projection)."
             )
@@ -380,7 +428,7 @@ def params_from_hf_tensors(tensors: Mapping[str, np.ndarray], config: T5Config) 
       Nested dict of numpy arrays in the network's parameter layout.
 
     Raises:
-      ValueError: listing missing/unexpected tensors, or every tensor whose shape
+      HFCheckpointError: listing missing/unexpected tensors, or every tensor whose shape
         differs from the config (with its HF name, parameter path and both shapes).
     """
     specs = _param_specs(config)
@@ -401,7 +449,7 @@ def params_to_hf_tensors(config: T5Config, params: Any) -> dict[str, np.ndarray]
     """Converts a t5x_lite parameter tree (boxed or plain) to HF T5 tensors.
 
     Raises:
-      ValueError: listing missing/unexpected parameters, or every parameter whose
+      HFCheckpointError: listing missing/unexpected parameters, or every parameter whose
         shape differs from the config (with its path and both shapes).
     """
     params = _plain_numpy(params)
@@ -412,7 +460,7 @@ def params_to_hf_tensors(config: T5Config, params: Any) -> dict[str, np.ndarray]
     missing = sorted("/".join(s.path) for s in specs if s.path not in flat)
     unexpected = sorted("/".join(p) for p in flat.keys() - {s.path for s in specs})
     if missing or unexpected:
-        raise ValueError(
+        raise HFCheckpointError(
             f"Params do not match the config: missing {missing}, unexpected {unexpected}."
         )
     wrong = [
@@ -421,7 +469,8 @@ def params_to_hf_tensors(config: T5Config, params: Any) -> dict[str, np.ndarray]
         if flat[s.path].shape != s.shape
     ]
     if wrong:
-        raise ValueError("Parameter shapes differ from the config:\n  " + "\n  ".join(wrong))
+        raise HFCheckpointError(
+            "Parameter shapes differ from the config:\n  " + "\n  ".join(wrong))
     return {s.hf_name: _to_hf(s, flat[s.path]) for s in specs}
 
 
@@ -429,7 +478,7 @@ def _common_dtype(tensors: Mapping[str, np.ndarray], path: str) -> str:
     """Name of the single dtype shared by all tensors of a checkpoint."""
     names = sorted({np.dtype(t.dtype).name for t in tensors.values()})
     if len(names) != 1:
-        raise ValueError(f"{path} mixes dtypes {names}; pass param_dtype to choose one.")
+        raise HFCheckpointError(f"{path} mixes dtypes {names}; pass param_dtype to choose one.")
     return names[0]
 
 
@@ -448,11 +497,12 @@ def load_hf(
       (config, params): the `T5Config` and the plain parameter tree.
 
     Raises:
-      FileNotFoundError: no safetensors weights (e.g. only pytorch_model.bin).
-      ValueError: unsupported config, or tensors that do not match it.
+      CheckpointNotFoundError: no config.json or no safetensors weights (e.g. only
+        pytorch_model.bin).
+      CorruptCheckpointError: naming a file that is not valid JSON or safetensors.
+      HFCheckpointError: unsupported config, or tensors that do not match it.
     """
-    with open(os.path.join(path, CONFIG_NAME)) as f:
-        hf_config = json.load(f)
+    hf_config = _read_json(os.path.join(path, CONFIG_NAME))
     tensors = read_safetensors(path)
     param_dtype = param_dtype or _common_dtype(tensors, path)
     config = config_from_hf(hf_config, scan_layers=scan_layers, param_dtype=param_dtype)

@@ -6,7 +6,7 @@ evaluation inside the training loop:
 * `DecodeConfig`: greedy / beam / sampling options (gin: `DecodeConfig.*`).
 * `mesh_and_rules`: the device mesh (gin: `mesh_and_rules.num_partitions`, `.fsdp`).
 * `checkpoint_steps`: a checkpoint step directory or a checkpoint root
-  (MODEL_DIR) -> its (step, directory) pairs.
+  (MODEL_DIR) -> its (step, absolute directory) pairs; `step_number` of one.
 * `network_config`: the T5Config stored with a checkpoint (training writes it to
   `train_meta`, the HF converter to `config`), with every `T5Config.*` gin
   binding taking precedence, so `--gin_file=models/...` still overrides it.
@@ -33,6 +33,8 @@ from etils import epath
 from jax.sharding import NamedSharding, PartitionSpec
 
 from t5x_lite import checkpoints, models, network, partitioning
+from t5x_lite.checkpoint_files import absolute_path
+from t5x_lite.errors import ConfigError
 
 PyTree = Any
 DECODE_FNS = ("greedy", "beam", "sample")
@@ -70,10 +72,10 @@ class DecodeConfig:
 
     def __post_init__(self):
         if self.decode_fn not in DECODE_FNS:
-            raise ValueError(f"DecodeConfig.decode_fn must be one of {DECODE_FNS}, "
-                             f"got {self.decode_fn!r}.")
+            raise ConfigError(f"DecodeConfig.decode_fn must be one of {DECODE_FNS}, "
+                              f"got {self.decode_fn!r}.")
         if self.num_decodes < 1:
-            raise ValueError(f"DecodeConfig.num_decodes must be >= 1, got {self.num_decodes}.")
+            raise ConfigError(f"DecodeConfig.num_decodes must be >= 1, got {self.num_decodes}.")
 
     def predict_kwargs(self) -> dict[str, Any]:
         """Keyword arguments of `EncoderDecoderModel.predict_batch_with_aux`."""
@@ -105,30 +107,29 @@ def mesh_and_rules(num_partitions: int = 1, fsdp: bool = False
 # ------------------------------------------------------------------ checkpoints
 
 
-def checkpoint_steps(path: str) -> list[tuple[int, epath.Path]]:
+def checkpoint_steps(path: epath.PathLike) -> list[tuple[int, epath.Path]]:
     """(step, step directory) pairs of a checkpoint root or one step directory, ascending.
 
-    A step directory is one holding `params/`; its step is its name when that is a
-    number, else the step recorded in its `train_meta`, else 0.
+    A step directory is one holding `params/` (`step_number` gives its step).
+    Relative paths are relative to the working directory; the directories
+    returned are absolute.
 
     Raises:
-      FileNotFoundError: naming `path` when it does not exist or holds no checkpoint.
+      CheckpointNotFoundError: naming `path` when it does not exist or holds no checkpoint.
     """
-    root = epath.Path(path)
-    if not root.exists():
-        raise FileNotFoundError(f"Checkpoint path does not exist: {path}")
-    if (root / checkpoints.PARAMS).is_dir():
-        if root.name.isdigit():
-            return [(int(root.name), root)]
-        meta = _json_item(root, checkpoints.TRAIN_META) or {}
-        return [(int(meta.get("step", 0)), root)]
-    steps = sorted((int(p.name), p) for p in root.iterdir()
-                   if p.name.isdigit() and (p / checkpoints.PARAMS).is_dir())
-    if not steps:
-        raise FileNotFoundError(
-            f"No checkpoint under {path}: expected a step directory with '{checkpoints.PARAMS}/' "
-            "or a checkpoint root (MODEL_DIR) with numbered step directories.")
-    return steps
+    root = absolute_path(path)
+    if checkpoints.is_step_dir(root):
+        return [(step_number(root), root)]
+    return [(step, root / str(step)) for step in checkpoints.root_steps(path)]
+
+
+def step_number(step_dir: epath.Path) -> int:
+    """The step of a step directory: its name when that is a number, else the step
+    recorded in its `train_meta`, else 0."""
+    if step_dir.name.isdigit():
+        return int(step_dir.name)
+    meta = _json_item(step_dir, checkpoints.TRAIN_META) or {}
+    return int(meta.get("step", 0))
 
 
 def _json_item(step_dir: epath.Path, item: str) -> dict[str, Any] | None:
@@ -143,7 +144,7 @@ def network_config(step_dir: epath.Path) -> network.T5Config:
     """The checkpoint's T5Config, overridden field by field by `T5Config.*` gin bindings.
 
     Raises:
-      ValueError: when neither the checkpoint nor gin defines every field.
+      ConfigError: when neither the checkpoint nor gin defines every field.
     """
     meta = _json_item(step_dir, checkpoints.TRAIN_META) or {}
     stored = meta.get("model_config") or _json_item(step_dir, checkpoints.CONFIG) or {}
@@ -153,7 +154,7 @@ def network_config(step_dir: epath.Path) -> network.T5Config:
     try:
         config = network.T5Config(**fields)  # gin supplies the bound fields
     except TypeError as e:
-        raise ValueError(
+        raise ConfigError(
             f"{step_dir} stores no complete model config ({e}); pass the model's gin file, "
             "e.g. --gin_file=models/t5_1_1/small.gin.") from e
     logging.info("Model config (checkpoint %s, gin overrides %s): %s",
@@ -211,8 +212,8 @@ class ModelRunner:
         """
         data_size = mesh.shape["data"]
         if batch_size % data_size:
-            raise ValueError(f"Batch size {batch_size} is not a multiple of the mesh's data "
-                             f"axis ({data_size} devices).")
+            raise ConfigError(f"Batch size {batch_size} is not a multiple of the mesh's data "
+                              f"axis ({data_size} devices).")
         self.model, self.mesh, self.rules = model, mesh, rules
         self.decode, self.batch_size = decode, batch_size
         self._batch_sharding = partitioning.batch_sharding(mesh)

@@ -124,15 +124,18 @@ def _setup_state(
     initial_checkpoint_path: str | None,
     initial_checkpoint_dtype: str | None,
 ) -> _Setup:
-  """Resumes from MODEL_DIR, else initialises (optionally from a checkpoint)."""
+  """Resumes from MODEL_DIR, else initialises (optionally from a checkpoint).
+
+  Resuming restores the newest intact step of MODEL_DIR: corrupt newer steps are
+  skipped with a warning (`TrainCheckpointer.restore_latest`).
+  """
   init_rng, rng = jax.random.split(jax.random.PRNGKey(random_seed))
-  latest = ckpt.latest_step()
   abstract, shardings = trainer.abstract_train_state(model, optimizer, input_shapes, mesh,
                                                       rules)
-  if latest is not None:
-    logging.info("Resuming from %s/%d", ckpt.directory, latest)
-    restored = ckpt.restore(latest, abstract.params, abstract.opt_state, train_iter)
-    step = jax.device_put(jnp.asarray(latest, jnp.int32), shardings.step)
+  restored = ckpt.restore_latest(abstract.params, abstract.opt_state, train_iter)
+  if restored is not None:
+    logging.info("Resuming from %s/%d", ckpt.directory, restored.step)
+    step = jax.device_put(jnp.asarray(restored.step, jnp.int32), shardings.step)
     state = trainer.TrainState(step=step, params=restored.params, opt_state=restored.opt_state)
     rng = jnp.asarray(restored.meta["rng"], jnp.uint32)
   else:

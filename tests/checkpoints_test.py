@@ -1,6 +1,7 @@
 """Tests for t5x_lite.checkpoints and t5x_lite.checkpoint_files."""
 
 import json
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -10,7 +11,8 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from t5x_lite import checkpoints
-from t5x_lite.checkpoint_files import CorruptCheckpointError, FILE_MANIFEST
+from t5x_lite.checkpoint_files import CheckpointError, CorruptCheckpointError, FILE_MANIFEST
+from t5x_lite.errors import UserError
 
 
 @pytest.fixture(scope="module")
@@ -162,6 +164,111 @@ def test_params_only_checkpoint_round_trip(tmp_path, mesh):
   assert float(params["encoder"]["encoder_norm"]["scale"][0]) == 3.0
 
 
-def test_missing_checkpoint_is_a_clear_error(tmp_path, mesh):
-  with pytest.raises(FileNotFoundError, match="No checkpoint"):
-    checkpoints.restore_params(tmp_path / "nowhere", _abstract(_params(), mesh))
+def test_missing_checkpoint_is_a_user_error_naming_the_path(tmp_path, mesh, monkeypatch):
+  monkeypatch.chdir(tmp_path)
+  with pytest.raises(UserError, match=f"No checkpoint at nowhere \\({tmp_path}/nowhere\\): it does not exist"):
+    checkpoints.restore_params("nowhere", _abstract(_params(), mesh))
+  (tmp_path / "empty").mkdir()
+  with pytest.raises(CheckpointError, match=f"No checkpoint at empty \\({tmp_path}/empty\\): expected a step directory with params/"):
+    checkpoints.resolve_step_dir("empty")
+  _save_steps(tmp_path / "run", [2])
+  with pytest.raises(CheckpointError, match=r"Step 4 not in run \(.*/run\) \(have \[2\]\)"):
+    checkpoints.resolve_step_dir("run", step=4)
+
+
+def test_relative_paths_are_taken_from_the_working_directory(tmp_path, mesh, monkeypatch):
+  monkeypatch.chdir(tmp_path)
+  _save_steps("run", [2, 4])
+  params = checkpoints.restore_params("./run", _abstract(_params(), mesh), step=2)
+  assert float(params["encoder"]["encoder_norm"]["scale"][0]) == 2.0
+  assert checkpoints.resolve_step_dir("./run") == tmp_path / "run" / "4"
+  step_dir = checkpoints.write_params_checkpoint("converted", _params(3.0))
+  assert step_dir == tmp_path / "converted" / "0"
+  params = checkpoints.restore_params("converted/0", _abstract(_params(), mesh))
+  assert float(params["encoder"]["encoder_norm"]["scale"][0]) == 3.0
+
+
+def test_model_dir_that_is_a_file_is_named(tmp_path, monkeypatch):
+  monkeypatch.chdir(tmp_path)
+  (tmp_path / "x").write_text("not a directory")
+  with pytest.raises(CheckpointError, match=f"MODEL_DIR ./x \\({tmp_path}/x\\) is a file, not a directory"):
+    checkpoints.TrainCheckpointer("./x")
+  with pytest.raises(CheckpointError, match=f"x/run .*cannot be created: {tmp_path}/x is a file"):
+    checkpoints.TrainCheckpointer("x/run")
+  with pytest.raises(CheckpointError, match="Checkpoint directory x .* is a file"):
+    checkpoints.write_params_checkpoint("x", _params())
+
+
+def _first_params_file(step_dir) -> str:
+  return sorted(n for n in json.loads((step_dir / FILE_MANIFEST).read_text()) if n.startswith("params/"))[0]
+
+
+def _truncate_listed_file(step_dir) -> str:
+  """Truncates the first params file of the step's files.json; returns its path."""
+  name = _first_params_file(step_dir)
+  with open(step_dir / name, "r+b") as f:
+    f.truncate(1)
+  return str(step_dir / name)
+
+
+def _snapshot(directory) -> dict:
+  return {p.relative_to(directory): p.read_bytes() for p in directory.rglob("*") if p.is_file()}
+
+
+def test_restore_params_of_a_root_falls_back_to_the_newest_intact_step(tmp_path, mesh, caplog):
+  _save_steps(tmp_path, [2, 4, 6], keep=None)
+  bad = [_truncate_listed_file(tmp_path / "6"), _truncate_listed_file(tmp_path / "4")]
+  before = _snapshot(tmp_path)
+  params = checkpoints.restore_params(tmp_path, _abstract(_params(), mesh))
+  assert float(params["encoder"]["encoder_norm"]["scale"][0]) == 2.0
+  [warning] = [r.getMessage() for r in caplog.records if "CORRUPT" in r.getMessage()]
+  assert "CORRUPT CHECKPOINT STEPS 6, 4 skipped" in warning and f"using step 2 of {tmp_path}" in warning
+  assert bad[0] in warning and bad[1] in warning
+  with pytest.raises(CorruptCheckpointError, match=bad[0]):  # an explicit step: no fallback
+    checkpoints.restore_params(tmp_path / "6", _abstract(_params(), mesh))
+  with pytest.raises(CorruptCheckpointError, match=bad[1]):
+    checkpoints.restore_params(tmp_path, _abstract(_params(), mesh), step=4)
+  _truncate_listed_file(tmp_path / "2")
+  with pytest.raises(CorruptCheckpointError, match=f"No intact checkpoint step in {tmp_path}: step 6: .*step 4: .*step 2: "):
+    checkpoints.resolve_step_dir(tmp_path)
+  del before[Path("2") / _first_params_file(tmp_path / "2")]
+  after = _snapshot(tmp_path)
+  assert all(after[k] == v for k, v in before.items())  # nothing else touched
+
+
+def test_training_restore_falls_back_and_sets_the_corrupt_step_aside_on_save(tmp_path, mesh, caplog):
+  optimizer = _save_steps(tmp_path, [2, 4], keep=3)
+  bad = _truncate_listed_file(tmp_path / "4")
+  corrupt = _snapshot(tmp_path / "4")
+  abstract_params = _abstract(_params(), mesh)
+  abstract_opt = _abstract(jax.eval_shape(optimizer.init, _params()), mesh)
+  ckpt = checkpoints.TrainCheckpointer(tmp_path, save_period=2, keep=3)
+  iterator = _CountingIterator()
+  restored = ckpt.restore_latest(abstract_params, abstract_opt, iterator)
+  assert restored.step == 2 and iterator.position == 2 and restored.meta["step"] == 2
+  assert ckpt.latest_step() == 2  # the train loop's last good save
+  assert f"CORRUPT CHECKPOINT STEP 4 skipped (step 4: " in caplog.text and bad in caplog.text
+  assert "using step 2" in caplog.text
+  assert _snapshot(tmp_path / "4") == corrupt  # restoring leaves it as it is
+
+  params = _params(40.0)  # the redone step 4
+  assert ckpt.save(4, params, optimizer.init(params), {"rng": [0, 4]}, _CountingIterator(4))
+  ckpt.close()
+  assert _snapshot(tmp_path / "4.corrupt") == corrupt
+  assert f"Moved corrupt checkpoint step {tmp_path}/4 to {tmp_path}/4.corrupt" in caplog.text
+  ckpt = checkpoints.TrainCheckpointer(tmp_path, keep=3)
+  assert ckpt.all_steps() == [2, 4]
+  restored = ckpt.restore_latest(abstract_params, abstract_opt)
+  ckpt.close()
+  assert restored.step == 4
+  assert float(restored.params["encoder"]["encoder_norm"]["scale"][0]) == 40.0
+
+
+def test_training_restore_without_an_intact_step_names_every_bad_file(tmp_path, mesh):
+  optimizer = _save_steps(tmp_path, [2, 4], keep=3)
+  bad = [_truncate_listed_file(tmp_path / str(step)) for step in (4, 2)]
+  ckpt = checkpoints.TrainCheckpointer(tmp_path)
+  with pytest.raises(CorruptCheckpointError, match=f"step 4: .*{bad[0]}.*; step 2: .*{bad[1]}"):
+    ckpt.restore_latest(_abstract(_params(), mesh),
+                        _abstract(jax.eval_shape(optimizer.init, _params()), mesh))
+  ckpt.close()

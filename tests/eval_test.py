@@ -8,6 +8,7 @@ a stub runner whose outputs are known, so the metric numbers are exact.
 
 import dataclasses
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -20,8 +21,10 @@ import pytest
 import seqio
 import tensorflow as tf
 
-from t5x_lite import (checkpoints, data, evaluation, inference, models, network, optimizers,
-                      partitioning, task_metrics, train_loop)
+from t5x_lite import (batch_inference, checkpoints, data, evaluation, inference, models, network,
+                      optimizers, partitioning, task_metrics, train_loop)
+from t5x_lite.checkpoint_files import FILE_MANIFEST, CheckpointError, CorruptCheckpointError
+from t5x_lite.errors import ConfigError
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VOCAB = seqio.ByteVocabulary()
@@ -170,22 +173,80 @@ def test_real_model_scores_match_score_batch_and_steps_are_skipped(tmp_path):
 
 
 def test_missing_checkpoint_path_is_named(tmp_path):
-    with pytest.raises(FileNotFoundError, match=f"does not exist: {tmp_path}/nope"):
+    with pytest.raises(CheckpointError, match=f"No checkpoint at {tmp_path}/nope: it does not exist"):
         _evaluate(tmp_path / "nope", tmp_path / "out")
     (tmp_path / "empty").mkdir()
-    with pytest.raises(FileNotFoundError, match=f"No checkpoint under {tmp_path}/empty"):
+    with pytest.raises(CheckpointError, match=f"No checkpoint at {tmp_path}/empty: expected a step "
+                                              "directory with params/ or a MODEL_DIR"):
         _evaluate(tmp_path / "empty", tmp_path / "out")
+
+
+def test_relative_checkpoint_and_output_paths(tmp_path, monkeypatch):
+    _write_checkpoint(tmp_path / "ckpt", steps=[3])
+    monkeypatch.chdir(tmp_path)
+    results = _evaluate("./ckpt", "out")
+    assert list(results) == [3]
+    written = json.loads((tmp_path / "out" / "metrics_step_3.json").read_text())
+    assert written["checkpoint"] == str(tmp_path / "ckpt" / "3")
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ConfigError, match=f"EVAL_OUTPUT_DIR file \\({tmp_path}/file\\) is a file"):
+        _evaluate("ckpt", "file")
+
+
+def test_corrupt_latest_step_is_skipped_by_eval_and_infer_and_redone_by_training(
+        tmp_path, caplog):
+    gin.bind_parameter("TrainCheckpointer.save_period", 2)
+    model_dir, lengths = tmp_path / "model", {"inputs": 16, "targets": 4}
+    _train_tiny(model_dir, total_steps=4)
+    manifest = json.loads((model_dir / "4" / FILE_MANIFEST).read_text())
+    victim = model_dir / "4" / sorted(n for n in manifest if n.startswith("params/"))[0]
+    victim.write_bytes(victim.read_bytes()[:-1])  # truncated
+    corrupt = {p: p.read_bytes() for p in (model_dir / "4").rglob("*") if p.is_file()}
+
+    assert list(_evaluate(model_dir, tmp_path / "eval")) == [2]
+    assert f"CORRUPT CHECKPOINT STEP 4 skipped (step 4: Checkpoint file truncated or altered: {victim}" in caplog.text
+    assert not (tmp_path / "eval" / "metrics_step_4.json").exists()
+    with pytest.raises(CorruptCheckpointError, match=str(victim)):  # a step asked for explicitly
+        _evaluate(model_dir / "4", tmp_path / "eval4")
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+        batch_inference.infer(_build_model, checkpoint_path=str(model_dir),
+                              output_file=str(tmp_path / "out.jsonl"),
+                              task_feature_lengths=lengths, input_file=None,
+                              mixture_or_task_name=LABELED_TASK, split="validation",
+                              batch_size=8, mode="predict", decode=inference.DecodeConfig())
+    assert f"using step 2 of {model_dir} instead" in caplog.text
+    assert f"with step 2 of {model_dir}" in caplog.text
+    assert {p: p.read_bytes() for p in (model_dir / "4").rglob("*") if p.is_file()} == corrupt
+
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+        _train_tiny(model_dir, total_steps=6)
+    assert f"using step 2 of {model_dir} instead" in caplog.text
+    assert f"Resuming from {model_dir}/2" in caplog.text
+    moved = model_dir / "4.corrupt"
+    assert {moved / p.relative_to(model_dir / "4"): b for p, b in corrupt.items()} == {
+        p: p.read_bytes() for p in moved.rglob("*") if p.is_file()}
+    ckpt = checkpoints.TrainCheckpointer(model_dir)
+    assert ckpt.all_steps() == [2, 4, 6]
+    ckpt.close()
+    assert list(_evaluate(model_dir, tmp_path / "eval")) == [4, 6]  # the redone step 4 is intact
+
+
+def _train_tiny(model_dir, total_steps: int, **kwargs) -> None:
+    module = network.Transformer(_tiny_config())
+    model = models.EncoderDecoderModel(module, VOCAB, VOCAB,
+                                       loss_normalizing_factor="NUM_REAL_TARGET_TOKENS")
+    train_loop.train(model_dir=str(model_dir), total_steps=total_steps, model=model,
+                     optimizer=optimizers.adafactor(learning_rate=0.01),
+                     train_dataset_cfg=_dataset_cfg(LABELED_TASK, split="validation", pack=True),
+                     **kwargs)
 
 
 def test_periodic_evaluation_inside_training(tmp_path):
     gin.bind_parameter("training_evaluator.num_examples", 8)
-    module = network.Transformer(_tiny_config())
-    model = models.EncoderDecoderModel(module, VOCAB, VOCAB,
-                                       loss_normalizing_factor="NUM_REAL_TARGET_TOKENS")
-    train_loop.train(model_dir=str(tmp_path), total_steps=4, model=model,
-                     optimizer=optimizers.adafactor(learning_rate=0.01),
-                     train_dataset_cfg=_dataset_cfg(LABELED_TASK, split="validation", pack=True),
-                     eval_dataset_cfg=_dataset_cfg(MIXTURE), infer_eval_period=2, log_period=2)
+    _train_tiny(tmp_path, total_steps=4, eval_dataset_cfg=_dataset_cfg(MIXTURE),
+                infer_eval_period=2, log_period=2)
     with open(tmp_path / "metrics.jsonl") as f:
         evals = [r for r in map(json.loads, f) if f"{LABELED_TASK}/accuracy" in r]
     assert [r["step"] for r in evals] == [2, 4]

@@ -9,6 +9,7 @@ log-spaced buckets and the clip are exercised in both stacks.
 import dataclasses
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -22,6 +23,7 @@ import torch
 import transformers
 
 from t5x_lite import checkpoints, hf_interop, network
+from t5x_lite.checkpoint_files import CheckpointNotFoundError, CorruptCheckpointError
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VOCAB = 128
@@ -301,21 +303,54 @@ def test_save_hf_wrong_shape_names_param_path(hf_model_dir, tmp_path):
         hf_interop.save_hf(config, params, str(tmp_path))
 
 
-def _run_converter(*flags: str, check: bool = True) -> subprocess.CompletedProcess:
+def _run_converter(*flags: str, check: bool = True, cwd: str = REPO_ROOT
+                   ) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, os.path.join(REPO_ROOT, "tools", "convert_hf_checkpoint.py"), *flags],
-        check=check, cwd=REPO_ROOT, capture_output=True, text=True)
+        check=check, cwd=cwd, capture_output=True, text=True)
 
 
-def test_converter_round_trip_through_orbax(hf_model_dir, tmp_path):
+def test_converter_round_trip_through_orbax_with_relative_paths(hf_model_dir, tmp_path):
     name, _, path = hf_model_dir
     scan_layers = name == "t5_1_1"  # one stacked, one unstacked layout
-    root, out = str(tmp_path / "ckpt"), str(tmp_path / "hf_out")
-    _run_converter(f"--hf_dir={path}", f"--output_dir={root}", f"--scan_layers={scan_layers}")
-    assert {"config", "params"} <= set(os.listdir(os.path.join(root, "0")))
-    _run_converter("--direction=to_hf", f"--checkpoint_dir={root}", f"--output_dir={out}")
+    shutil.copytree(path, tmp_path / "hf")
+    _run_converter("--hf_dir=hf", "--output_dir=./ckpt", f"--scan_layers={scan_layers}",
+                   cwd=str(tmp_path))
+    assert {"config", "params"} <= set(os.listdir(tmp_path / "ckpt" / "0"))
+    _run_converter("--direction=to_hf", "--checkpoint_dir=ckpt", "--output_dir=hf_out",
+                   cwd=str(tmp_path))
+    out = str(tmp_path / "hf_out")
     _assert_tensors_bitwise_equal(_load_tensors(path), _load_tensors(out))
     assert hf_interop.load_hf(out)[0] == hf_interop.load_hf(path)[0]
+
+
+def _error_line(result: subprocess.CompletedProcess) -> str:
+    """The converter's one ERROR line (exit status 1, no traceback)."""
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    [line] = [x for x in result.stderr.splitlines() if x.startswith("ERROR:")]
+    return line
+
+
+def test_garbage_safetensors_and_missing_files_are_named(tmp_path):
+    hf_dir = tmp_path / "hf"
+    hf_dir.mkdir()
+    weights = hf_dir / hf_interop.SAFETENSORS_NAME
+    weights.write_bytes(np.random.default_rng(0).bytes(100))
+    with pytest.raises(CheckpointNotFoundError, match=f"{hf_dir}/config.json not found"):
+        hf_interop.load_hf(str(hf_dir))
+    (hf_dir / "config.json").write_text('{"model_type": "t5"')
+    with pytest.raises(CorruptCheckpointError, match=f"{hf_dir}/config.json: not a JSON file"):
+        hf_interop.load_hf(str(hf_dir))
+    (hf_dir / "config.json").write_text('{"model_type": "t5"}')
+    message = f"{weights}: not a safetensors file (header too large)"
+    with pytest.raises(CorruptCheckpointError, match=re.escape(message)):
+        hf_interop.load_hf(str(hf_dir))
+    result = _run_converter("--hf_dir=hf", "--output_dir=out", check=False, cwd=str(tmp_path))
+    assert _error_line(result) == f"ERROR: {message}"
+    assert not (tmp_path / "out").exists()
+    result = _run_converter("--direction=to_hf", "--checkpoint_dir=nope", "--output_dir=out",
+                            check=False, cwd=str(tmp_path))
+    assert _error_line(result) == f"ERROR: No checkpoint at nope ({tmp_path}/nope): it does not exist"
 
 
 def test_converter_to_hf_takes_config_from_gin(tmp_path):

@@ -21,6 +21,8 @@ import tensorflow as tf
 
 from t5x_lite import (batch_inference, checkpoints, file_sources, inference, models, network,
                       partitioning)
+from t5x_lite.checkpoint_files import CheckpointError
+from t5x_lite.errors import ConfigError, UserError
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VOCAB = seqio.ByteVocabulary()
@@ -172,9 +174,28 @@ def test_bad_inputs_are_named(ckpt, tmp_path):
     plain = _jsonl(tmp_path / "plain.jsonl", [{"inputs": "a"}])
     with pytest.raises(ValueError, match="mode 'score' needs targets"):
         _infer(ckpt, tmp_path / "out.jsonl", input_file=plain, mode="score")
-    with pytest.raises(FileNotFoundError, match=f"does not exist: {tmp_path}/missing"):
+    with pytest.raises(CheckpointError, match=f"No checkpoint at {tmp_path}/missing: it does not"):
         _infer(tmp_path / "missing", tmp_path / "out.jsonl", input_file=plain)
     assert not (tmp_path / "out.jsonl").exists()
+
+
+def test_relative_paths_and_unusable_files_are_named(ckpt, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    os.symlink(ckpt, tmp_path / "ckpt")
+    _jsonl(tmp_path / "in.jsonl", [{"inputs": t} for t in INPUTS[:2]])
+    assert _infer("./ckpt", "out/predictions.jsonl", input_file="in.jsonl")["examples"] == 2
+    assert [r["input"] for r in _lines(tmp_path / "out" / "predictions.jsonl")] == INPUTS[:2]
+    with pytest.raises(UserError, match=f"Input file does not exist: nope.jsonl \\({tmp_path}/nope.jsonl\\)"):
+        _infer("ckpt", "x.jsonl", input_file="nope.jsonl")
+    with pytest.raises(ConfigError, match=f"OUTPUT_FILE out \\({tmp_path}/out\\) is a directory"):
+        _infer("ckpt", "out", input_file="in.jsonl")
+    with pytest.raises(ConfigError, match=f"OUTPUT_FILE's directory in.jsonl \\({tmp_path}/in.jsonl\\) is a file"):
+        _infer("ckpt", "in.jsonl/x.jsonl", input_file="in.jsonl")
+    (tmp_path / "garbage.jsonl").write_text("not json\n")
+    with pytest.raises(ConfigError, match=f"{tmp_path}/garbage.jsonl:1 was written for a different input"):
+        _infer("ckpt", "garbage.jsonl", input_file="in.jsonl")
+    with pytest.raises(ConfigError, match="DecodeConfig.decode_fn must be one of"):
+        inference.DecodeConfig(decode_fn="nucleus")
 
 
 def test_infer_entry_point(tmp_path):

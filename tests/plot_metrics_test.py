@@ -77,6 +77,21 @@ def test_plot_without_known_metrics_fails(tmp_path):
                       ["bleu"], str(tmp_path / "x.png"), "t")
 
 
+def test_relative_paths_and_bad_inputs(tmp_path, monkeypatch, capsys):
+  monkeypatch.chdir(tmp_path)
+  _write_run(tmp_path / "run")
+  plot_metrics.main(["run", "--out", "plots/metrics.png"])
+  assert f"Wrote {tmp_path}/plots/metrics.png (loss" in capsys.readouterr().out
+  assert (tmp_path / "plots" / "metrics.png").exists()
+  for argv, message in [
+      (["nope"], f"ERROR: {tmp_path}/nope/metrics.jsonl not found: is nope a training MODEL_DIR?"),
+      (["run", "--metrics", "bleu"], "ERROR: None of ['bleu'] found in the metrics file."),
+  ]:
+    with pytest.raises(SystemExit) as exit_:
+      plot_metrics.main(argv)
+    assert exit_.value.code == 1 and capsys.readouterr().err == message + "\n"
+
+
 def test_peak_table_and_rates():
   assert throughput.table_peak_flops("TPU v5 lite") == 197e12
   assert throughput.table_peak_flops("TPU v5") == 459e12

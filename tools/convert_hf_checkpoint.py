@@ -13,6 +13,10 @@ checkpoint's `config` item or, for training checkpoints, `train_meta`'s
   python tools/convert_hf_checkpoint.py --direction=to_hf \
       --checkpoint_dir=/tmp/model_dir/checkpoints --output_dir=/tmp/hf_out
 
+Relative paths are relative to the working directory. A bad input (a missing or
+unreadable file, an unsupported config, a corrupt checkpoint) is reported as one
+`ERROR: <message>` line on stderr with exit status 1.
+
 Checkpoint layout (see t5x_lite/checkpoints.py, which writes and restores it):
 `<root>/<step>/params` is a StandardSave of the plain parameter tree (no 'params'
 wrapper), `<root>/<step>/config` a JsonSave of the `T5Config` fields, and
@@ -21,8 +25,11 @@ wrapper), `<root>/<step>/config` a JsonSave of the `T5Config` fields, and
 
 from __future__ import annotations
 
+from t5x_lite import console  # noqa: F401  (first: quiets TensorFlow and JAX start-up)
+
 import dataclasses
 import os
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -35,6 +42,8 @@ from absl import app, flags
 from etils import epath
 
 from t5x_lite import checkpoints, hf_interop
+from t5x_lite.checkpoint_files import absolute_path, not_a_directory
+from t5x_lite.errors import ConfigError, UserError
 from t5x_lite.network import T5Config, Transformer
 
 _DIRECTION = flags.DEFINE_enum(
@@ -43,7 +52,9 @@ _DIRECTION = flags.DEFINE_enum(
 _HF_DIR = flags.DEFINE_string("hf_dir", None, "from_hf: HF T5ForConditionalGeneration directory.")
 _CHECKPOINT_DIR = flags.DEFINE_string("checkpoint_dir", None, "to_hf: orbax checkpoint root.")
 _OUTPUT_DIR = flags.DEFINE_string("output_dir", None, "Output directory.", required=True)
-_STEP = flags.DEFINE_integer("step", None, "to_hf: step to convert (default: latest).")
+_STEP = flags.DEFINE_integer(
+    "step", None, "to_hf: step to convert (default: the newest intact one)."
+)
 _SCAN_LAYERS = flags.DEFINE_bool(
     "scan_layers", False, "from_hf: store the stacked (scan_layers=True) parameter layout."
 )
@@ -110,19 +121,31 @@ def abstract_params(config: T5Config) -> Any:
 def config_from_gin(
     gin_files: Sequence[str], bindings: Sequence[str], search_paths: Sequence[str]
 ) -> T5Config:
-    """Builds the `T5Config` that the given model gin files bind."""
+    """Builds the `T5Config` that the given model gin files bind.
+
+    Raises:
+      ConfigError: a missing gin file or a bad binding, on one line.
+    """
     for path in search_paths:
         gin.add_config_file_search_path(path)
-    gin.parse_config_files_and_bindings(gin_files, bindings, skip_unknown=True)
-    return T5Config()
+    try:
+        gin.parse_config_files_and_bindings(gin_files, bindings, skip_unknown=True)
+        return T5Config()
+    except (OSError, SyntaxError, ValueError, TypeError) as e:
+        raise ConfigError(" ".join(str(e).split())) from e
 
 
 def hf_to_orbax(hf_dir: str, output_dir: str, scan_layers: bool, param_dtype: str | None) -> None:
     """Converts an HF T5 directory into a step-0 t5x_lite checkpoint root."""
-    config, params = hf_interop.load_hf(hf_dir, scan_layers=scan_layers, param_dtype=param_dtype)
-    checkpoints.write_params_checkpoint(
+    if problem := not_a_directory("--output_dir", output_dir):
+        raise ConfigError(problem)
+    config, params = hf_interop.load_hf(
+        os.fspath(absolute_path(hf_dir)), scan_layers=scan_layers, param_dtype=param_dtype
+    )
+    step_dir = checkpoints.write_params_checkpoint(
         output_dir, params, step=0, config=dataclasses.asdict(config)
     )
+    print(f"Wrote {step_dir}")
 
 
 def orbax_to_hf(
@@ -133,15 +156,20 @@ def orbax_to_hf(
     Args:
       checkpoint_dir: orbax checkpoint root.
       output_dir: HF output directory.
-      step: step to convert; None converts the latest.
+      step: step to convert; None converts the newest intact one.
       config: model config to use when the checkpoint has no `config` item.
     """
+    if problem := not_a_directory("--output_dir", output_dir):
+        raise ConfigError(problem)
     step_dir = checkpoints.resolve_step_dir(checkpoint_dir, step)
     config = read_stored_config(step_dir) or config
     if config is None:
-        raise ValueError(f"{step_dir} stores no model config: pass the model's --gin_file.")
-    params = checkpoints.restore_params(step_dir, abstract_params(config))
+        raise ConfigError(f"{step_dir} stores no model config: pass the model's --gin_file.")
+    # resolve_step_dir verified the files already.
+    params = checkpoints.restore_params(step_dir, abstract_params(config), verify_checksums=False)
+    output_dir = os.fspath(absolute_path(output_dir))
     hf_interop.save_hf(config, params, output_dir)
+    print(f"Wrote {output_dir} from {step_dir}")
 
 
 def main(argv: Sequence[str]) -> None:
@@ -161,5 +189,14 @@ def main(argv: Sequence[str]) -> None:
     orbax_to_hf(_CHECKPOINT_DIR.value, _OUTPUT_DIR.value, _STEP.value, config)
 
 
+def main_reporting_errors(argv: Sequence[str]) -> None:
+    """`main` with a `UserError` printed as one `ERROR:` line (exit status 1)."""
+    try:
+        main(argv)
+    except UserError as e:
+        print(f"ERROR: {e}", file=sys.stderr, flush=True)
+        sys.exit(1)
+
+
 if __name__ == "__main__":
-    app.run(main)
+    app.run(main_reporting_errors)

@@ -9,8 +9,11 @@ Usage (gin paths are relative to the search path root, the repo's gin/ dir):
       --gin.T5Config.num_encoder_layers=6 --input_length=1024
 
 With --json the last stdout line is a JSON object with num_params,
-flops_per_token, forward_flops and a per-stack breakdown.
+flops_per_token, forward_flops and a per-stack breakdown. A bad gin file or
+binding is reported as one `ERROR: <message>` line on stderr with exit status 1.
 """
+
+from t5x_lite import console  # noqa: F401  (first: quiets TensorFlow and JAX start-up)
 
 import dataclasses
 import json
@@ -26,6 +29,7 @@ from absl import app, flags
 from flax.core import meta
 
 from t5x_lite import flops, network
+from t5x_lite.errors import ConfigError
 
 DEFAULT_GIN_SEARCH_PATH = os.path.join(
     os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'gin'
@@ -96,13 +100,31 @@ def model_info(config: network.T5Config, input_length: int, target_length: int) 
     }
 
 
+def configured_network() -> network.T5Config:
+    """The T5Config that --gin_file and --gin_bindings describe.
+
+    Raises:
+      ConfigError: a missing gin file, a syntax error, an unknown name or a bad
+        value, on one line naming it.
+    """
+    for path in _GIN_SEARCH_PATHS.value:
+        gin.add_config_file_search_path(path)
+    try:
+        gin.parse_config_files_and_bindings(_GIN_FILES.value, _GIN_BINDINGS.value)
+        return network.T5Config()
+    except (OSError, SyntaxError, ValueError, TypeError) as e:
+        raise ConfigError(' '.join(str(e).split())) from e
+
+
 def main(argv: Sequence[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
-    for path in _GIN_SEARCH_PATHS.value:
-        gin.add_config_file_search_path(path)
-    gin.parse_config_files_and_bindings(_GIN_FILES.value, _GIN_BINDINGS.value)
-    info = model_info(network.T5Config(), _INPUT_LENGTH.value, _TARGET_LENGTH.value)
+    try:
+        config = configured_network()
+    except ConfigError as e:
+        print(f'ERROR: {e}', file=sys.stderr, flush=True)
+        sys.exit(1)
+    info = model_info(config, _INPUT_LENGTH.value, _TARGET_LENGTH.value)
     for key, value in info['config'].items():
         print(f'{key:>32}: {value}')
     for part, value in info['breakdown'].items():

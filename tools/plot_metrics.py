@@ -3,7 +3,9 @@
   python tools/plot_metrics.py MODEL_DIR [--out FILE.png] [--metrics loss,accuracy]
 
 One panel per metric, train and eval curves together. When a run was resumed
-and repeated some steps, the last record of a (split, step) wins.
+and repeated some steps, the last record of a (split, step) wins. Paths are
+relative to the working directory; the PNG's directory is created if needed. A
+bad input is reported as one `ERROR: <message>` line with exit status 1.
 """
 
 from __future__ import annotations
@@ -12,7 +14,9 @@ import argparse
 import json
 import math
 import os
+import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
 import matplotlib
 
@@ -40,11 +44,11 @@ def read_metrics(path: str) -> Series:
         continue
       try:
         record = json.loads(line)
-      except json.JSONDecodeError:
+        split, step = record.pop("split"), int(record.pop("step"))
+      except (json.JSONDecodeError, AttributeError, KeyError, TypeError, ValueError):
         # A run killed mid-write leaves a partial last line; skip it.
         print(f"{path}:{line_number}: skipping unparsable line")
         continue
-      split, step = record.pop("split"), int(record.pop("step"))
       record.pop("time", None)
       for name, value in record.items():
         if isinstance(value, (int, float)) and math.isfinite(value):
@@ -81,19 +85,30 @@ def plot(series: Series, metrics: Sequence[str], out: str, title: str) -> list[s
   return present
 
 
+def _fail(message: str) -> NoReturn:
+  """Prints `ERROR: message` on stderr and exits with status 1."""
+  print(f"ERROR: {message}", file=sys.stderr)
+  sys.exit(1)
+
+
 def main(argv: Sequence[str] | None = None) -> None:
-  """Command-line entry point."""
+  """Command-line entry point; a bad input exits with one `ERROR:` line."""
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("model_dir", help="training MODEL_DIR containing metrics.jsonl")
   parser.add_argument("--out", help="PNG to write (default MODEL_DIR/metrics.png)")
   parser.add_argument("--metrics", default=",".join(DEFAULT_METRICS),
                       help="comma-separated metric names")
   args = parser.parse_args(argv)
-  path = os.path.join(args.model_dir, METRICS_FILE)
-  if not os.path.exists(path):
-    parser.error(f"{path} not found")
-  out = args.out or os.path.join(args.model_dir, "metrics.png")
-  drawn = plot(read_metrics(path), args.metrics.split(","), out, args.model_dir)
+  model_dir = os.path.abspath(args.model_dir)
+  path = os.path.join(model_dir, METRICS_FILE)
+  out = os.path.abspath(args.out or os.path.join(model_dir, "metrics.png"))
+  if not os.path.isfile(path):
+    _fail(f"{path} not found: is {args.model_dir} a training MODEL_DIR?")
+  try:
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    drawn = plot(read_metrics(path), args.metrics.split(","), out, model_dir)
+  except (OSError, ValueError) as e:
+    _fail(str(e))
   print(f"Wrote {out} ({', '.join(drawn)})")
 
 

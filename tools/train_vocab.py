@@ -14,17 +14,27 @@ Use the result with `seqio.SentencePieceVocabulary(path, extra_ids=100)`, or
 for every task with the gin binding
 `get_vocabulary.sentencepiece_model_file = '/tmp/my_spm.model'`.
 Training is single-threaded and reads text in order, so it is reproducible.
+Relative paths are relative to the working directory. A bad input (a missing file,
+an unknown task or field, a vocabulary too large for the text) is reported as one
+`ERROR: <message>` line on stderr with exit status 1.
 """
+
+from t5x_lite import console  # noqa: F401  (first: quiets TensorFlow and JAX start-up)
 
 import importlib
 import itertools
+import os
+import sys
 from collections.abc import Iterator, Sequence
 
 import gin
 import seqio
+import tensorflow as tf
 from absl import app, flags
 
 from t5x_lite import cache, file_sources, vocab
+from t5x_lite.checkpoint_files import absolute_path, not_a_directory, shown
+from t5x_lite.errors import ConfigError, UserError
 
 _INPUT_FILES = flags.DEFINE_list("input_files", [], "Text files, one example per line.")
 _TASK = flags.DEFINE_string("task", None, "A registered seqio task to read text from.")
@@ -42,7 +52,14 @@ _GIN_BINDINGS = flags.DEFINE_multi_string("gin_bindings", [], "Gin bindings (e.g
 
 
 def file_text(paths: Sequence[str]) -> Iterator[str]:
-    """Non-empty lines of the files, in order."""
+    """Non-empty lines of the files, in order.
+
+    Raises:
+      file_sources.DataFileError: naming the first file that does not exist.
+    """
+    for path in paths:
+        if not tf.io.gfile.exists(path):
+            raise file_sources.DataFileError(f"--input_files: {shown(path)} not found.")
     for path in paths:
         for _, line in file_sources.numbered_lines(path):
             if line.strip():
@@ -50,41 +67,100 @@ def file_text(paths: Sequence[str]) -> Iterator[str]:
 
 
 def task_text(task_name: str, text_field: str, split: str) -> Iterator[str]:
-    """The raw `text_field` of a task's source, unshuffled."""
+    """The raw `text_field` of a task's source, unshuffled.
+
+    Raises:
+      ConfigError: naming an unknown task, split or field.
+    """
+    if task_name not in seqio.TaskRegistry.names():
+        raise ConfigError(f"--task={task_name} is not a registered seqio task (register it in a "
+                          "module given with --module_import).")
     task = seqio.TaskRegistry.get(task_name)
+    if split not in task.splits:
+        raise ConfigError(f"Task {task_name} has no split {split!r} (has {list(task.splits)}).")
     ds = task.source.get_dataset(split=split, shuffle=False)
     for example in ds.as_numpy_iterator():
         if text_field not in example:
-            raise ValueError(
+            raise ConfigError(
                 f"Task {task_name} has no raw field {text_field!r}; it has {sorted(example)}."
             )
         yield example[text_field].decode("utf-8")
+
+
+def _check_output(path: str) -> str:
+    """The absolute output path; raises ConfigError if it cannot be written."""
+    if os.path.isdir(path):
+        raise ConfigError(f"--output={shown(path)} is a directory, not a file.")
+    if problem := not_a_directory("The directory of --output", os.path.dirname(path) or "."):
+        raise ConfigError(problem)
+    return os.fspath(absolute_path(path))
+
+
+def _task_setup() -> None:
+    """Registers the built-in tasks and --module_import's, then parses --gin_bindings."""
+    import tasks  # noqa: F401  (registers the built-in tasks)
+
+    for module in _MODULE_IMPORT.value:
+        importlib.import_module(module)
+    try:
+        gin.parse_config(_GIN_BINDINGS.value)
+    except (SyntaxError, ValueError) as e:
+        raise ConfigError(f"--gin_bindings: {' '.join(str(e).split())}") from e
+
+
+def _train(text: Iterator[str]) -> bytes:
+    """Trains on `text`; an error reading it is re-raised as itself.
+
+    Raises:
+      ConfigError: SentencePiece refused the options, e.g. a vocabulary too large
+        for the text.
+    """
+    read_errors = []
+
+    def read() -> Iterator[str]:
+        try:
+            yield from text
+        except Exception as e:  # SentencePiece would turn it into a RuntimeError
+            read_errors.append(e)
+            raise
+
+    try:
+        return vocab.train_sentencepiece(
+            read(),
+            vocab_size=_VOCAB_SIZE.value,
+            model_type=_MODEL_TYPE.value,
+            character_coverage=_CHARACTER_COVERAGE.value,
+        )
+    except RuntimeError as e:
+        if read_errors:
+            raise read_errors[0] from None
+        raise ConfigError(f"SentencePiece training failed: {e}") from e
 
 
 def main(argv: Sequence[str]) -> None:
     del argv
     if bool(_INPUT_FILES.value) == bool(_TASK.value):
         raise app.UsageError("Give exactly one of --input_files and --task.")
+    output = _check_output(_OUTPUT.value)
     if _TASK.value:
-        import tasks  # noqa: F401  (registers the built-in tasks)
-
-        for module in _MODULE_IMPORT.value:
-            importlib.import_module(module)
-        gin.parse_config(_GIN_BINDINGS.value)
+        _task_setup()
         text = task_text(_TASK.value, _TEXT_FIELD.value, _SPLIT.value)
     else:
         text = file_text(_INPUT_FILES.value)
-    text = itertools.islice(text, _MAX_EXAMPLES.value)
-    model = vocab.train_sentencepiece(
-        text,
-        vocab_size=_VOCAB_SIZE.value,
-        model_type=_MODEL_TYPE.value,
-        character_coverage=_CHARACTER_COVERAGE.value,
-    )
-    cache.atomic_write(_OUTPUT.value, model)
-    size = seqio.SentencePieceVocabulary(_OUTPUT.value, extra_ids=vocab.NUM_EXTRA_IDS).vocab_size
-    print(f"Wrote {_OUTPUT.value}: {_VOCAB_SIZE.value} pieces, {size} ids with 100 extra ids.")
+    model = _train(itertools.islice(text, _MAX_EXAMPLES.value))
+    cache.atomic_write(output, model)
+    size = seqio.SentencePieceVocabulary(output, extra_ids=vocab.NUM_EXTRA_IDS).vocab_size
+    print(f"Wrote {output}: {_VOCAB_SIZE.value} pieces, {size} ids with 100 extra ids.")
+
+
+def main_reporting_errors(argv: Sequence[str]) -> None:
+    """`main` with a `UserError` printed as one `ERROR:` line (exit status 1)."""
+    try:
+        main(argv)
+    except UserError as e:
+        print(f"ERROR: {e}", file=sys.stderr, flush=True)
+        sys.exit(1)
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(main_reporting_errors)
