@@ -12,6 +12,8 @@ Flags are those of `t5x_lite.cli` (shared with train and infer); the run is
 `t5x_lite.evaluation.evaluate_checkpoints`, its options are in gin/runs/eval.gin.
 """
 
+from t5x_lite import console  # noqa: F401  (first: quiets TensorFlow and JAX start-up)
+
 from collections.abc import Sequence
 
 from absl import app

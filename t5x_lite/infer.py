@@ -12,6 +12,8 @@ Flags are those of `t5x_lite.cli` (shared with train and eval); the run is
 `t5x_lite.batch_inference.infer`, its options are in gin/runs/infer.gin.
 """
 
+from t5x_lite import console  # noqa: F401  (first: quiets TensorFlow and JAX start-up)
+
 from collections.abc import Sequence
 
 from absl import app

@@ -13,6 +13,8 @@ Importing `tasks` registers the project's seqio tasks and mixtures; add your
 own with an `import my_tasks` line in a gin file.
 """
 
+from t5x_lite import console  # noqa: F401  (first: quiets TensorFlow and JAX start-up)
+
 import sys
 from collections.abc import Sequence
 

@@ -307,9 +307,29 @@ class _Loop:
       _fetch_and_check(pending, self.last_saved)
     if step != self.last_saved and step > 0:
       self._save(state, step)
+    self.ckpt.wait()  # the line below promises a complete checkpoint on disk
+    saved = (f"checkpoint {self.ckpt.directory}/{self.last_saved}"
+             if self.last_saved is not None else "no checkpoint")
     if stop:
-      logging.warning("Stopped by %s at step %d; checkpoint saved.", stop.signal_name, step)
+      logging.warning("Stopped by %s at step %d; %s.", stop.signal_name, step, saved)
+    else:
+      logging.info("Training finished at step %d; %s.", step, saved)
     return state
+
+  def release_input(self) -> None:
+    """Drops the training iterator on a daemon thread instead of waiting for its teardown.
+
+    Deleting a tf.data iterator joins its autotuning thread, and TensorFlow
+    (2.21, `Model::OptimizeLoop`) can miss the cancellation when that thread
+    wakes up at the same moment: it then sleeps out its optimisation period,
+    up to 60 s, and a finished or stopped run sat that long after its last
+    line before exiting. The teardown waits without the GIL, so neither the
+    rest of the process nor its exit waits for it. Call it once the iterator's
+    position is saved: `TrainCheckpointer.save` writes it before returning.
+    """
+    doomed = [self.train_iter]
+    del self.train_iter
+    threading.Thread(target=doomed.clear, name="release-train-iterator", daemon=True).start()
 
 
 @gin.configurable(denylist=["stop"])
@@ -390,5 +410,7 @@ def train(
       loop.infer_eval = (infer_eval_period, evaluation.training_evaluator(
           model, mesh, rules, setup.shardings.params, eval_dataset_cfg, model_dir))
     write_operative_config(model_dir)
+    del train_iter  # `loop` holds the only reference, which `release_input` hands off
+    stack.callback(loop.release_input)
     stack.callback(loop.logger.close)
     return loop.run(stop)

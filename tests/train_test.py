@@ -13,6 +13,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import flax.linen as nn
@@ -25,7 +26,7 @@ import pytest
 import seqio
 import tensorflow as tf
 
-from t5x_lite import checkpoints, cli, data, models, network, optimizers, train_loop
+from t5x_lite import checkpoints, cli, console, data, models, network, optimizers, train_loop
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIXED_TASK = "train_test_fixed_pair"
@@ -129,6 +130,24 @@ def test_non_finite_loss_names_step_and_keeps_last_checkpoint(tmp_path):
   assert all(np.isfinite(x).all() for x in jax.tree.leaves(params))
 
 
+def test_train_returns_without_waiting_for_the_iterator_teardown(tmp_path, monkeypatch):
+  # Deleting a tf.data iterator can block for up to a minute (`_Loop.release_input`);
+  # this one blocks for 10 s and records the thread that deletes it.
+  deleted_on = []
+
+  def slow_del(iterator: data.TrainIterator) -> None:
+    del iterator
+    deleted_on.append(threading.current_thread())
+    time.sleep(10)
+
+  monkeypatch.setattr(data.TrainIterator, "__del__", slow_del, raising=False)
+  _train(tmp_path, 1)
+  deadline = time.monotonic() + 10
+  while not deleted_on and time.monotonic() < deadline:
+    time.sleep(0.05)
+  assert deleted_on and threading.main_thread() not in deleted_on, deleted_on
+
+
 def _abstract_params(model: models.EncoderDecoderModel):
   """Unboxed abstract params on one device (restore target)."""
   shapes = data.model_input_shapes(_dataset())
@@ -210,14 +229,39 @@ def _command(model_dir, steps: int, *extra: str) -> list[str]:
 
 
 # Two devices: sharded saves and restores, at a quarter of the 8-device compile cost.
-_ENV = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2")
+# The test session's log level is left out, and where the entry point itself would
+# choose the CPU (`t5x_lite.console`) its JAX_PLATFORMS too: runs show what users see.
+_ENV = {k: v for k, v in os.environ.items()
+        if k != "TF_CPP_MIN_LOG_LEVEL" and (k != "JAX_PLATFORMS" or console.has_accelerator())}
+_ENV["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+# Start-up and data-pipeline lines of TensorFlow, CUDA, libtpu, JAX and seqio that a
+# CPU run must not print.
+_NOISE = ("absl::InitializeLog", "cudart_stub.cc", "cuInit", "TPU_ACCELERATOR_TYPE",
+          "TPU_WORKER_HOSTNAMES", "Unable to initialize backend", "cache_dataset_ops.cc",
+          "not cached so using number of input examples", "uncached FunctionDataset")
 
 
-def _run(model_dir, steps: int, *extra: str) -> subprocess.CompletedProcess:
-  result = subprocess.run(_command(model_dir, steps, *extra), cwd=REPO, env=_ENV,
-                          capture_output=True, text=True, timeout=900)
-  assert result.returncode == 0, result.stderr[-3000:]
-  return result
+def _run(model_dir, steps: int, *extra: str) -> tuple[str, float]:
+  """Runs the entry point to the end.
+
+  Returns:
+    Its output (stderr and stdout together) and the seconds from its last line to
+    its exit.
+  """
+  process = subprocess.Popen(_command(model_dir, steps, *extra), cwd=REPO, env=_ENV,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+  watchdog = threading.Timer(900, process.kill)
+  watchdog.start()
+  lines, last_line = [], time.monotonic()
+  for line in process.stdout:
+    lines.append(line)
+    last_line = time.monotonic()
+  returncode = process.wait()
+  exit_seconds = time.monotonic() - last_line
+  watchdog.cancel()
+  output = "".join(lines)
+  assert returncode == 0, output[-3000:]
+  return output, exit_seconds
 
 
 def _start(model_dir, log_path) -> tuple[subprocess.Popen, object]:
@@ -242,14 +286,18 @@ def _params_of(step_dir) -> dict:
 
 def test_entry_point_trains_and_resumes_exactly(tmp_path):
   whole, split = tmp_path / "whole", tmp_path / "split"
-  _run(whole, 10, "--gin.EVAL_PERIOD=10")
+  output, exit_seconds = _run(whole, 10, "--gin.EVAL_PERIOD=10")
+  assert "train step 10/10" in output and "eval step 10/10" in output
+  assert [noise for noise in _NOISE if noise in output] == [], output
+  assert output.rstrip().endswith(f"Training finished at step 10; checkpoint {whole}/10."), output
+  assert exit_seconds < 15, exit_seconds  # tf.data's teardown is not waited for
   assert sorted(os.listdir(whole)) == ["10", "5", "config.gin", "eval", "metrics.jsonl", "train"]
   assert "TRAIN_STEPS = 10" in (whole / "config.gin").read_text()
   assert [r["step"] for r in _records(whole, "eval")] == [10]
 
   _run(split, 5, "--gin.EVAL_PERIOD=0")
-  resumed = _run(split, 10, "--gin.EVAL_PERIOD=0")
-  assert f"Resuming from {split}/5" in resumed.stderr
+  resumed, _ = _run(split, 10, "--gin.EVAL_PERIOD=0")
+  assert f"Resuming from {split}/5" in resumed
   first, second = _records(whole), _records(split)
   assert [r["step"] for r in second] == list(range(1, 11))
   for a, b in zip(first, second):  # same batches and params give the same losses
@@ -275,13 +323,16 @@ def test_kill_9_then_resume_then_sigterm(tmp_path):
   process, log = _start(model_dir, resumed_log)
   _wait_for(lambda: resumed_log.read_text().count("train step") >= 3, process, resumed_log)
   process.send_signal(signal.SIGTERM)
+  _wait_for(lambda: "Stopped by SIGTERM" in resumed_log.read_text(), process, resumed_log)
+  stopped = time.monotonic()
   assert process.wait(timeout=600) == 0
+  assert time.monotonic() - stopped < 15  # exits right after the save
   log.close()
   output = resumed_log.read_text()
   assert f"Resuming from {model_dir}/{latest}" in output
   assert f"train step {latest + 1}/" in output  # continues right after the checkpoint
-  assert "Stopped by SIGTERM" in output
   stopped_at = _records(model_dir)[-1]["step"]
+  assert f"Stopped by SIGTERM at step {stopped_at}; checkpoint {model_dir}/{stopped_at}." in output
   assert stopped_at >= latest + 3
   saved = checkpoints.TrainCheckpointer(model_dir)
   assert saved.latest_step() == stopped_at

@@ -24,6 +24,8 @@ Torch uses as many threads as XLA's CPU backend (the cores this process may run 
       --input_length=32 --target_length=8 --decode_length=4 --reps=2 --compare_hf
 """
 
+from t5x_lite import console  # noqa: F401  (first: quiets TensorFlow and JAX start-up)
+
 import dataclasses
 import json
 import os

@@ -6,6 +6,8 @@ r"""Measures input-pipeline throughput (examples/s, tokens/s) of a task or mixtu
 Prints one JSON line (see t5x_lite.data_benchmark.measure_pipeline).
 """
 
+from t5x_lite import console  # noqa: F401  (first: quiets TensorFlow and JAX start-up)
+
 import json
 from collections.abc import Sequence
 

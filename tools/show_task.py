@@ -15,6 +15,8 @@ loaded with --module_import=my_tasks or a gin file that does `import my_tasks`;
 --gin_bindings set e.g. the data directory: "local_data_dir.path = '/data'".
 """
 
+from t5x_lite import console  # noqa: F401  (first: quiets TensorFlow and JAX start-up)
+
 from collections.abc import Mapping, Sequence
 
 import numpy as np
