@@ -27,8 +27,6 @@ from __future__ import annotations
 
 from t5x_lite import console  # noqa: F401  (first: quiets TensorFlow and JAX start-up)
 
-from t5x_lite import console  # noqa: F401  (first: quiets TensorFlow and JAX start-up)
-
 import dataclasses
 import os
 import sys

@@ -15,8 +15,6 @@ binding is reported as one `ERROR: <message>` line on stderr with exit status 1.
 
 from t5x_lite import console  # noqa: F401  (first: quiets TensorFlow and JAX start-up)
 
-from t5x_lite import console  # noqa: F401  (first: quiets TensorFlow and JAX start-up)
-
 import dataclasses
 import json
 import math

@@ -21,8 +21,6 @@ an unknown task or field, a vocabulary too large for the text) is reported as on
 
 from t5x_lite import console  # noqa: F401  (first: quiets TensorFlow and JAX start-up)
 
-from t5x_lite import console  # noqa: F401  (first: quiets TensorFlow and JAX start-up)
-
 import importlib
 import itertools
 import os
