@@ -44,7 +44,7 @@ import seqio
 import tqdm
 from absl import logging
 
-from t5x_lite import checkpoints, file_sources, inference, models, network
+from t5x_lite import checkpoints, data, file_sources, inference, models, network
 from t5x_lite.checkpoint_files import not_a_directory, shown
 from t5x_lite.errors import ConfigError
 
@@ -132,17 +132,19 @@ def task_examples(name: str, split: str, lengths: Mapping[str, int]) -> list[Exa
     """The preprocessed examples of a task split, in order.
 
     Raises:
-      ConfigError: for a mixture (infer runs one task) or a split the task lacks.
+      ConfigError: for an unknown name, a mixture (infer runs one task), a split the
+        task lacks, or a preprocessor asking for a feature the task's data lacks.
     """
-    task = seqio.get_mixture_or_task(name)
+    task = data.get_mixture_or_task(name)
     if isinstance(task, seqio.Mixture):
         raise ConfigError(f"{name} is a mixture; infer runs one task, e.g. one of "
                           f"{sorted(t.name for t in task.tasks)}.")
     if split not in task.splits:
         raise ConfigError(f"Task {name} has no split {split!r} (has {list(task.splits)}).")
     features = task.output_features
-    dataset = task.get_dataset(sequence_length=dict(lengths), split=split, shuffle=False,
-                               num_epochs=1)
+    with data.naming_failing_task(name, split, lengths):
+        dataset = task.get_dataset(sequence_length=dict(lengths), split=split, shuffle=False,
+                                   num_epochs=1)
     return [
         Example(_text(ex, "inputs", features["inputs"].vocabulary),
                 _text(ex, "targets", features["targets"].vocabulary) if "targets" in ex else None,

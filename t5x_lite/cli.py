@@ -25,12 +25,11 @@ Use:  `cli.run(main)` in an entry point; `main` calls `cli.setup()` first.
 from __future__ import annotations
 
 import ast
-import importlib
 import logging as logging_std
 import os
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any, NoReturn
+from typing import Any
 
 import gin
 import gin.resource_reader as resource_reader
@@ -38,7 +37,8 @@ import jax
 import seqio
 from absl import app, flags, logging
 
-from t5x_lite.errors import ConfigError, UserError
+from t5x_lite import data, errors
+from t5x_lite.errors import ConfigError
 
 REPO_GIN_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "gin")
 DEFAULT_GIN_SEARCH_PATHS = (REPO_GIN_DIR, os.path.join(REPO_GIN_DIR, "models"))
@@ -221,28 +221,6 @@ def _one_line_gin_error(error: Exception) -> str:
   return " ".join(line.strip() for line in message.splitlines() if line.strip())
 
 
-def import_task_modules(modules: Sequence[str]) -> None:
-  """Imports modules that register seqio tasks, finding them in the working directory too.
-
-  Args:
-    modules: module names, e.g. `my_tasks` for `./my_tasks.py`.
-
-  Raises:
-    ConfigError: naming a module that cannot be found.
-  """
-  if "" not in sys.path and os.getcwd() not in sys.path:
-    sys.path.insert(0, os.getcwd())
-  for module in modules:
-    try:
-      importlib.import_module(module)
-    except ModuleNotFoundError as e:
-      if e.name and module.startswith(e.name):
-        raise ConfigError(
-            f"--module_import={module}: no module {e.name!r} in the working directory "
-            f"({os.getcwd()}) or on PYTHONPATH") from e
-      raise
-
-
 def initialize_distributed() -> None:
   """Calls jax.distributed.initialize when multi-host flags are given."""
   given = [FLAGS.coordinator_address, FLAGS.process_count, FLAGS.process_index]
@@ -288,12 +266,12 @@ def setup(optional_macros: Sequence[str] = ()) -> None:
   initialize_distributed()
   if FLAGS.tfds_data_dir:
     seqio.set_tfds_data_dir_override(FLAGS.tfds_data_dir)
-  import_task_modules(FLAGS.module_import)
+  data.import_task_modules(FLAGS.module_import)
   bindings = list(FLAGS.gin_bindings)
   if FLAGS.data_dir:
     bindings.append(f"local_data_dir.path = {FLAGS.data_dir!r}")
   parse_gin(FLAGS.gin_file, bindings, FLAGS.gin_search_paths)
-  import_task_modules(_task_module_macro())
+  data.import_task_modules(_task_module_macro())
   check_required_macros(optional_macros)
 
 
@@ -321,34 +299,17 @@ def add_cpu_xla_flags(environ: dict[str, str] | None = None) -> str:
   return environ["XLA_FLAGS"]
 
 
-def fail(message: str) -> NoReturn:
-  """Prints `ERROR: message` on stderr and exits with status 1.
-
-  gin's `In call to configurable ...` notes, which it appends to every error raised
-  inside a configurable, are dropped: the message itself names what is wrong.
-  """
-  lines = [line for line in message.splitlines()
-           if not line.strip().startswith("In call to configurable")]
-  print("ERROR: " + "\n".join(lines), file=sys.stderr, flush=True)
-  sys.exit(1)
-
-
-def _reporting_errors(main: Callable[[Sequence[str]], None]) -> Callable[[Sequence[str]], None]:
-  """`main` with `UserError`s reported as one `ERROR:` line (traceback with --verbose)."""
+def _gin_missing_bindings_as_config_error(
+    main: Callable[[Sequence[str]], None]) -> Callable[[Sequence[str]], None]:
+  """`main` with gin's RuntimeError for an unbound `gin.REQUIRED` default as a ConfigError."""
 
   def wrapped(argv: Sequence[str]) -> None:
     try:
       main(argv)
-    except UserError as e:
-      if FLAGS.verbose:
-        logging.exception("Traceback of the error below:")
-      fail(str(e))
-    except RuntimeError as e:  # gin: a Python default of gin.REQUIRED left unbound
+    except RuntimeError as e:
       if not str(e).startswith(_GIN_MISSING_BINDINGS):
         raise
-      if FLAGS.verbose:
-        logging.exception("Traceback of the error below:")
-      fail(f"{e}: bind them in a gin file or with --gin.NAME=VALUE")
+      raise ConfigError(f"{e}: bind them in a gin file or with --gin.NAME=VALUE") from e
 
   return wrapped
 
@@ -360,5 +321,6 @@ def run(main: Callable[[Sequence[str]], None], argv: Sequence[str] | None = None
   try:
     argv = rewrite_gin_args(sys.argv if argv is None else argv)
   except ConfigError as e:
-    fail(str(e))
-  app.run(_reporting_errors(main), argv=argv)
+    errors.fail(str(e))
+  app.run(errors.reporting(_gin_missing_bindings_as_config_error(main), lambda: FLAGS.verbose),
+          argv=argv)

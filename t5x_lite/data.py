@@ -41,8 +41,11 @@ import contextlib
 import dataclasses
 import difflib
 import functools
+import importlib
+import os
+import sys
 import json
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import gin
 import jax
@@ -82,6 +85,28 @@ def get_mixture_or_task(name: str) -> seqio.Task | seqio.Mixture:
       f"No seqio task or mixture named {name!r}{hint}; tools/show_task.py --list shows all "
       "(a task of your own is registered by importing its module: --module_import=my_tasks "
       "or gin `import my_tasks`)")
+
+
+def import_task_modules(modules: Sequence[str]) -> None:
+  """Imports modules that register seqio tasks, finding them in the working directory too.
+
+  Args:
+    modules: module names, e.g. `my_tasks` for `./my_tasks.py`.
+
+  Raises:
+    ConfigError: naming a module that cannot be found.
+  """
+  if "" not in sys.path and os.getcwd() not in sys.path:
+    sys.path.insert(0, os.getcwd())
+  for module in modules:
+    try:
+      importlib.import_module(module)
+    except ModuleNotFoundError as e:
+      if e.name and module.startswith(e.name):
+        raise ConfigError(
+            f"--module_import={module}: no module {e.name!r} in the working directory "
+            f"({os.getcwd()}) or on PYTHONPATH") from e
+      raise
 
 
 @gin.configurable

@@ -9,6 +9,11 @@ The message must name the thing that is wrong: the gin binding, the file and
 line, the parameter path.
 """
 
+import sys
+import traceback
+from collections.abc import Callable, Sequence
+from typing import NoReturn
+
 
 class UserError(Exception):
   """An expected failure caused by the input; its message names what to fix."""
@@ -16,3 +21,36 @@ class UserError(Exception):
 
 class ConfigError(UserError, ValueError):
   """A gin file, binding or flag is wrong or missing."""
+
+
+def fail(message: str) -> NoReturn:
+  """Prints `ERROR: message` on stderr and exits with status 1.
+
+  gin's `In call to configurable ...` notes, which it appends to every error raised
+  inside a configurable, are dropped: the message itself names what is wrong.
+  """
+  lines = [line for line in message.splitlines()
+           if not line.strip().startswith("In call to configurable")]
+  print("ERROR: " + "\n".join(lines), file=sys.stderr, flush=True)
+  sys.exit(1)
+
+
+def reporting(
+    main: Callable[[Sequence[str]], None], verbose: Callable[[], bool] = lambda: False
+) -> Callable[[Sequence[str]], None]:
+  """`main` with a `UserError` reported by `fail` (and its traceback when `verbose()`).
+
+  Args:
+    main: an absl `main(argv)`.
+    verbose: read after the flags are parsed, e.g. `lambda: FLAGS.verbose`.
+  """
+
+  def wrapped(argv: Sequence[str]) -> None:
+    try:
+      main(argv)
+    except UserError as e:
+      if verbose():
+        traceback.print_exc()
+      fail(str(e))
+
+  return wrapped

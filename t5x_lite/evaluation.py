@@ -129,12 +129,14 @@ class TaskEvaluator:
         """
         self.runner, self.cfg, self.num_examples = runner, dataset_cfg, num_examples
         name, split = dataset_cfg.mixture_or_task_name, dataset_cfg.split
-        self.seqio = seqio.Evaluator(
-            name, seqio.EncDecFeatureConverter(pack=False), eval_split=split,
-            sequence_length=dataset_cfg.task_feature_lengths, seed=dataset_cfg.seed,
-            num_examples=num_examples, logger_cls=logger_cls, log_dir=log_dir,
-            async_compute_metrics=False)
-        subtasks = seqio.get_subtasks(seqio.get_mixture_or_task(name))
+        lengths = dataset_cfg.task_feature_lengths
+        with data.naming_failing_task(name, split, lengths, dataset_cfg.seed):
+            self.seqio = seqio.Evaluator(
+                name, seqio.EncDecFeatureConverter(pack=False), eval_split=split,
+                sequence_length=lengths, seed=dataset_cfg.seed,
+                num_examples=num_examples, logger_cls=logger_cls, log_dir=log_dir,
+                async_compute_metrics=False)
+        subtasks = seqio.get_subtasks(data.get_mixture_or_task(name))
         self.loss_tasks = [t for t in subtasks if split in t.splits and not t.metric_objs]
         if not self.loss_tasks and not self.seqio.eval_tasks:
             raise ConfigError(f"No task of {name} has a {split!r} split.")
@@ -150,8 +152,9 @@ class TaskEvaluator:
         if lengths is None:
             raise ConfigError(f"Task {task.name} has no metrics, so it is evaluated by its loss, "
                               "which needs TASK_FEATURE_LENGTHS (got None).")
-        ds = task.get_dataset(sequence_length=dict(lengths), split=self.cfg.split, shuffle=False,
-                              num_epochs=1, seed=self.cfg.seed)
+        with data.naming_failing_task(task.name, self.cfg.split, lengths, self.cfg.seed):
+            ds = task.get_dataset(sequence_length=dict(lengths), split=self.cfg.split,
+                                  shuffle=False, num_epochs=1, seed=self.cfg.seed)
         if self.num_examples is not None:
             ds = ds.take(self.num_examples)
         return seqio.EncDecFeatureConverter(pack=False)(ds, dict(lengths)).cache()

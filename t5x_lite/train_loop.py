@@ -42,11 +42,12 @@ from absl import logging
 
 from t5x_lite import (checkpoints, data, evaluation, flops, metrics_logging, models, network,
                       optimizers, partitioning, throughput, trainer, vocab)
+from t5x_lite.errors import UserError
 
 CONFIG_FILE = "config.gin"
 
 
-class NonFiniteLossError(RuntimeError):
+class NonFiniteLossError(UserError, RuntimeError):
   """Training produced a NaN/Inf loss or gradient norm."""
 
 

@@ -9,7 +9,7 @@ import pytest
 from absl import flags
 
 import tasks  # noqa: F401  (registers local_data_dir through tasks.local)
-from t5x_lite import cli, errors, file_sources
+from t5x_lite import cli, data, errors, file_sources
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -95,10 +95,10 @@ def test_task_modules_are_found_in_the_working_directory(tmp_path, monkeypatch):
   (tmp_path / "cli_test_user_tasks.py").write_text("REGISTERED = True\n")
   monkeypatch.chdir(tmp_path)
   monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
-  cli.import_task_modules(["cli_test_user_tasks"])
+  data.import_task_modules(["cli_test_user_tasks"])
   assert sys.modules["cli_test_user_tasks"].REGISTERED
   with pytest.raises(errors.ConfigError, match="no module 'cli_test_no_such_module'"):
-    cli.import_task_modules(["cli_test_no_such_module"])
+    data.import_task_modules(["cli_test_no_such_module"])
   # T5X's gin macro names the module too.
   (tmp_path / "cli_test_macro_tasks.py").write_text("REGISTERED = True\n")
   gin.clear_config()
@@ -118,7 +118,8 @@ def test_task_modules_are_found_in_the_working_directory(tmp_path, monkeypatch):
     (["--gin_file=quickstart.gin", "--gin.train.total_stpes=3"],
      "ERROR: Configurable 'train' doesn't have a parameter named 'total_stpes'"),
     (["--gin_file=quickstart.gin", "--gin_file=runs/finetune.gin"],
-     "ERROR: gin macros INITIAL_CHECKPOINT_PATH, TASK_FEATURE_LENGTHS are required"),
+     "ERROR: gin macros INITIAL_CHECKPOINT_PATH, MIXTURE_OR_TASK_NAME, MODEL_DIR, "
+     "TASK_FEATURE_LENGTHS, TRAIN_STEPS are required (%gin.REQUIRED) but never set"),
     (["--gin_file=no_such.gin"], "ERROR: gin file not found: no_such.gin"),
     (["--gin_file=quickstart.gin", "--module_import=cli_test_no_such_module"],
      "ERROR: --module_import=cli_test_no_such_module: no module"),

@@ -6,6 +6,7 @@ with gin/runs/infer.gin on a checkpoint sized for the offline vocabulary.
 """
 
 import dataclasses
+import functools
 import json
 import os
 import subprocess
@@ -20,7 +21,7 @@ import seqio
 import tensorflow as tf
 
 from t5x_lite import (batch_inference, checkpoints, file_sources, inference, models, network,
-                      partitioning)
+                      partitioning, preprocessors)
 from t5x_lite.checkpoint_files import CheckpointError
 from t5x_lite.errors import ConfigError, UserError
 
@@ -211,3 +212,22 @@ def test_infer_entry_point(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     assert [(r["input"], r["target"]) for r in _lines(out)] == [(t, "x") for t in INPUTS[:3]]
     assert "3/3" in result.stderr  # the progress bar
+
+
+def test_task_split_names_an_unknown_task_and_a_missing_feature():
+  name = "infer_test_missing_feature"
+  if name not in seqio.TaskRegistry.names():
+    seqio.TaskRegistry.add(
+        name,
+        source=seqio.FunctionDataSource(
+            lambda split, shuffle_files, seed=None: tf.data.Dataset.from_tensors(
+                {"sentence": "a film", "lbl": "1"}), splits=["validation"]),
+        preprocessors=[functools.partial(preprocessors.text_to_text, prefix="x",
+                                         feature_names=("sentence",))],
+        output_features=preprocessors.text_to_text_features())
+  with pytest.raises(ConfigError, match=rf"No seqio task or mixture named 'infer_test_missing_featur'"
+                                        rf" \(closest: {name}[,)]"):
+    batch_inference.task_examples(name[:-1], "validation", {"inputs": 8, "targets": 4})
+  with pytest.raises(ConfigError, match=rf"Task {name}: preprocessor text_to_text asks for "
+                                        r"feature 'label', but the source has columns"):
+    batch_inference.task_examples(name, "validation", {"inputs": 8, "targets": 4})

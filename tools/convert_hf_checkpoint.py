@@ -41,9 +41,9 @@ import orbax.checkpoint as ocp
 from absl import app, flags
 from etils import epath
 
-from t5x_lite import checkpoints, hf_interop
+from t5x_lite import checkpoints, errors, hf_interop
 from t5x_lite.checkpoint_files import absolute_path, not_a_directory
-from t5x_lite.errors import ConfigError, UserError
+from t5x_lite.errors import ConfigError
 from t5x_lite.network import T5Config, Transformer
 
 _DIRECTION = flags.DEFINE_enum(
@@ -189,14 +189,5 @@ def main(argv: Sequence[str]) -> None:
     orbax_to_hf(_CHECKPOINT_DIR.value, _OUTPUT_DIR.value, _STEP.value, config)
 
 
-def main_reporting_errors(argv: Sequence[str]) -> None:
-    """`main` with a `UserError` printed as one `ERROR:` line (exit status 1)."""
-    try:
-        main(argv)
-    except UserError as e:
-        print(f"ERROR: {e}", file=sys.stderr, flush=True)
-        sys.exit(1)
-
-
 if __name__ == "__main__":
-    app.run(main_reporting_errors)
+    app.run(errors.reporting(main))

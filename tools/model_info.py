@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from absl import app, flags
 from flax.core import meta
 
-from t5x_lite import flops, network
+from t5x_lite import errors, flops, network
 from t5x_lite.errors import ConfigError
 
 DEFAULT_GIN_SEARCH_PATH = os.path.join(
@@ -119,11 +119,7 @@ def configured_network() -> network.T5Config:
 def main(argv: Sequence[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
-    try:
-        config = configured_network()
-    except ConfigError as e:
-        print(f'ERROR: {e}', file=sys.stderr, flush=True)
-        sys.exit(1)
+    config = configured_network()
     info = model_info(config, _INPUT_LENGTH.value, _TARGET_LENGTH.value)
     for key, value in info['config'].items():
         print(f'{key:>32}: {value}')
@@ -139,4 +135,4 @@ def main(argv: Sequence[str]) -> None:
 
 
 if __name__ == '__main__':
-    app.run(main, argv=rewrite_gin_args(sys.argv))
+    app.run(errors.reporting(main), argv=rewrite_gin_args(sys.argv))

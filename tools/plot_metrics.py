@@ -16,12 +16,13 @@ import math
 import os
 import sys
 from collections.abc import Sequence
-from typing import NoReturn
 
 import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (backend must be chosen first)
+
+from t5x_lite import errors  # noqa: E402
 
 METRICS_FILE = "metrics.jsonl"  # t5x_lite.metrics_logging.METRICS_FILE
 DEFAULT_METRICS = (
@@ -85,12 +86,6 @@ def plot(series: Series, metrics: Sequence[str], out: str, title: str) -> list[s
   return present
 
 
-def _fail(message: str) -> NoReturn:
-  """Prints `ERROR: message` on stderr and exits with status 1."""
-  print(f"ERROR: {message}", file=sys.stderr)
-  sys.exit(1)
-
-
 def main(argv: Sequence[str] | None = None) -> None:
   """Command-line entry point; a bad input exits with one `ERROR:` line."""
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -103,12 +98,12 @@ def main(argv: Sequence[str] | None = None) -> None:
   path = os.path.join(model_dir, METRICS_FILE)
   out = os.path.abspath(args.out or os.path.join(model_dir, "metrics.png"))
   if not os.path.isfile(path):
-    _fail(f"{path} not found: is {args.model_dir} a training MODEL_DIR?")
+    errors.fail(f"{path} not found: is {args.model_dir} a training MODEL_DIR?")
   try:
     os.makedirs(os.path.dirname(out), exist_ok=True)
     drawn = plot(read_metrics(path), args.metrics.split(","), out, model_dir)
   except (OSError, ValueError) as e:
-    _fail(str(e))
+    errors.fail(str(e))
   print(f"Wrote {out} ({', '.join(drawn)})")
 
 

@@ -21,7 +21,6 @@ an unknown task or field, a vocabulary too large for the text) is reported as on
 
 from t5x_lite import console  # noqa: F401  (first: quiets TensorFlow and JAX start-up)
 
-import importlib
 import itertools
 import os
 import sys
@@ -32,9 +31,9 @@ import seqio
 import tensorflow as tf
 from absl import app, flags
 
-from t5x_lite import cache, file_sources, vocab
+from t5x_lite import cache, data, errors, file_sources, vocab
 from t5x_lite.checkpoint_files import absolute_path, not_a_directory, shown
-from t5x_lite.errors import ConfigError, UserError
+from t5x_lite.errors import ConfigError
 
 _INPUT_FILES = flags.DEFINE_list("input_files", [], "Text files, one example per line.")
 _TASK = flags.DEFINE_string("task", None, "A registered seqio task to read text from.")
@@ -100,8 +99,7 @@ def _task_setup() -> None:
     """Registers the built-in tasks and --module_import's, then parses --gin_bindings."""
     import tasks  # noqa: F401  (registers the built-in tasks)
 
-    for module in _MODULE_IMPORT.value:
-        importlib.import_module(module)
+    data.import_task_modules(_MODULE_IMPORT.value)
     try:
         gin.parse_config(_GIN_BINDINGS.value)
     except (SyntaxError, ValueError) as e:
@@ -153,14 +151,5 @@ def main(argv: Sequence[str]) -> None:
     print(f"Wrote {output}: {_VOCAB_SIZE.value} pieces, {size} ids with 100 extra ids.")
 
 
-def main_reporting_errors(argv: Sequence[str]) -> None:
-    """`main` with a `UserError` printed as one `ERROR:` line (exit status 1)."""
-    try:
-        main(argv)
-    except UserError as e:
-        print(f"ERROR: {e}", file=sys.stderr, flush=True)
-        sys.exit(1)
-
-
 if __name__ == "__main__":
-    app.run(main_reporting_errors)
+    app.run(errors.reporting(main))
