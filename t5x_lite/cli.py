@@ -55,11 +55,14 @@ QUIET_LIBRARY_PATHS = (f"{os.sep}orbax{os.sep}", f"{os.sep}seqio{os.sep}",
 # restoring one item (params) of a step directly from its item directory, which has
 # no step metadata file; seqio's advice on every training dataset of a function
 # source (resumes are exact here: the iterator position is saved) and on every
-# dataset of a mixture of uncached tasks (`t5x_lite.mixing` counts input examples).
+# dataset of a mixture of uncached tasks (`t5x_lite.mixing` counts input examples);
+# and the packing converter's note that it drops the `*_pretokenized` text features,
+# which the model never takes.
 SILENT_MESSAGES = (
     "Metadata file does not exist",
     "Using an uncached FunctionDataset for training is not recommended",
     "not cached so using number of input examples instead of preprocessed examples",
+    "will be removed during packing",
 )
 # gin's package-path file reader logs an ERROR for every search path that does
 # not hold a file, although the next one does; those records are dropped.
