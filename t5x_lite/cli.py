@@ -25,7 +25,6 @@ Use:  `cli.run(main)` in an entry point; `main` calls `cli.setup()` first.
 from __future__ import annotations
 
 import ast
-import logging as logging_std
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -37,7 +36,7 @@ import jax
 import seqio
 from absl import app, flags, logging
 
-from t5x_lite import data, errors
+from t5x_lite import console, data, errors
 from t5x_lite.errors import ConfigError
 
 REPO_GIN_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "gin")
@@ -47,27 +46,6 @@ _GIN_SHORTHAND = "--gin."
 _GIN_MISSING_BINDINGS = "Required bindings for"
 # T5X's gin macro for the module(s) that register the run's tasks.
 TASK_MODULE_MACRO = "MIXTURE_OR_TASK_MODULE"
-# Library sources whose INFO logs are dropped (their warnings still show).
-QUIET_LIBRARY_PATHS = (f"{os.sep}orbax{os.sep}", f"{os.sep}seqio{os.sep}",
-                       f"{os.sep}tensorflow{os.sep}", f"{os.sep}jax{os.sep}",
-                       f"{os.sep}rouge_score{os.sep}")
-# Warnings that are expected in normal use (dropped when the message contains one):
-# restoring one item (params) of a step directly from its item directory, which has
-# no step metadata file; seqio's advice on every training dataset of a function
-# source (resumes are exact here: the iterator position is saved) and on every
-# dataset of a mixture of uncached tasks (`t5x_lite.mixing` counts input examples);
-# and the packing converter's note that it drops the `*_pretokenized` text features,
-# which the model never takes.
-SILENT_MESSAGES = (
-    "Metadata file does not exist",
-    "Using an uncached FunctionDataset for training is not recommended",
-    "not cached so using number of input examples instead of preprocessed examples",
-    "will be removed during packing",
-)
-# gin's package-path file reader logs an ERROR for every search path that does
-# not hold a file, although the next one does; those records are dropped.
-SILENT_LIBRARY_PATHS = (os.path.join("gin", "resource_reader.py"),)
-
 # XLA:CPU options `run` adds to XLA_FLAGS, before jax starts a backend, unless
 # XLA_FLAGS already names them (other backends ignore xla_cpu_* options).
 # YNNPACK's reduce fusion is slow on leading-axis sums: in a T5 1.1 small train step
@@ -240,20 +218,6 @@ def initialize_distributed() -> None:
   logging.info("Process %d of %d", jax.process_index(), jax.process_count())
 
 
-class _QuietLibraryInfo(logging_std.Filter):
-  """Drops INFO/DEBUG records of chatty libraries (orbax logs every file it writes)."""
-
-  def filter(self, record: logging_std.LogRecord) -> bool:
-    """False for records to drop."""
-    if any(part in record.pathname for part in SILENT_LIBRARY_PATHS):
-      return False
-    if any(m in str(record.msg) for m in SILENT_MESSAGES):
-      return False
-    if record.levelno >= logging_std.WARNING:
-      return True
-    return not any(part in record.pathname for part in QUIET_LIBRARY_PATHS)
-
-
 def setup(optional_macros: Sequence[str] = ()) -> None:
   """Multi-host init, TFDS dir, task modules, gin: the first call of an entry point.
 
@@ -265,7 +229,7 @@ def setup(optional_macros: Sequence[str] = ()) -> None:
     ConfigError: a bad gin file or binding, an unset required macro, or a task
       module that cannot be imported.
   """
-  logging.get_absl_handler().addFilter(_QuietLibraryInfo())
+  console.quiet_library_logs()
   initialize_distributed()
   if FLAGS.tfds_data_dir:
     seqio.set_tfds_data_dir_override(FLAGS.tfds_data_dir)

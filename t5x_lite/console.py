@@ -27,6 +27,10 @@ about the run. Imported before either of them loads, this module
   so a crash during the import still shows everything else it printed.
 
 TF_CPP_MIN_LOG_LEVEL=0 JAX_PLATFORMS= shows everything again.
+
+`quiet_library_logs()` (called by `cli.setup` and the tools) also drops the
+INFO lines of chatty libraries and the warnings expected in normal use from
+absl's log (`_QuietLibraryInfo`); their other warnings and errors still show.
 """
 
 from __future__ import annotations
@@ -36,11 +40,14 @@ import glob
 import importlib.abc
 import importlib.machinery
 import importlib.util
+import logging as logging_std
 import os
 import subprocess
 import sys
 import types
 from collections.abc import Iterator, Mapping, Sequence
+
+from absl import logging  # absl loads neither TensorFlow nor JAX
 
 # Device files of TPUs (v2-v4: accel, v5 and later: vfio), NVIDIA GPUs (dxg: WSL)
 # and AMD GPUs. JAX_PLATFORMS is left unset when any exists.
@@ -132,6 +139,49 @@ class _QuietTensorFlowImport(importlib.abc.MetaPathFinder):
 
     spec.loader.exec_module = exec_quietly  # this spec's loader instance only
     return spec
+
+
+# Library sources whose INFO logs are dropped (their warnings still show).
+QUIET_LIBRARY_PATHS = (f"{os.sep}orbax{os.sep}", f"{os.sep}seqio{os.sep}",
+                       f"{os.sep}tensorflow{os.sep}", f"{os.sep}jax{os.sep}",
+                       f"{os.sep}rouge_score{os.sep}")
+# Warnings that are expected in normal use (dropped when the message contains one):
+# restoring one item (params) of a step directly from its item directory, which has
+# no step metadata file; seqio's advice on every training dataset of a function
+# source (resumes are exact here: the iterator position is saved) and on every
+# dataset of a mixture of uncached tasks (`t5x_lite.mixing` counts input examples);
+# and the packing converter's note that it drops the `*_pretokenized` text features,
+# which the model never takes.
+SILENT_MESSAGES = (
+    "Metadata file does not exist",
+    "Using an uncached FunctionDataset for training is not recommended",
+    "not cached so using number of input examples instead of preprocessed examples",
+    "will be removed during packing",
+)
+# gin's package-path file reader logs an ERROR for every search path that does
+# not hold a file, although the next one does; those records are dropped.
+SILENT_LIBRARY_PATHS = (os.path.join("gin", "resource_reader.py"),)
+
+
+class _QuietLibraryInfo(logging_std.Filter):
+  """Drops INFO/DEBUG records of chatty libraries (orbax logs every file it writes)."""
+
+  def filter(self, record: logging_std.LogRecord) -> bool:
+    """False for records to drop."""
+    if any(part in record.pathname for part in SILENT_LIBRARY_PATHS):
+      return False
+    if any(m in str(record.msg) for m in SILENT_MESSAGES):
+      return False
+    if record.levelno >= logging_std.WARNING:
+      return True
+    return not any(part in record.pathname for part in QUIET_LIBRARY_PATHS)
+
+
+def quiet_library_logs() -> None:
+  """Adds `_QuietLibraryInfo` to absl's log handler (once), for entry points and tools."""
+  handler = logging.get_absl_handler()
+  if not any(isinstance(f, _QuietLibraryInfo) for f in handler.filters):
+    handler.addFilter(_QuietLibraryInfo())
 
 
 # The user's TF_CPP_MIN_LOG_LEVEL (read before the defaults are set) turns the filter off.

@@ -13,6 +13,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.slow  # subprocess runs of the entry points
+
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
 pytest.importorskip("torch")

@@ -8,6 +8,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from t5x_lite import console
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -32,6 +34,7 @@ def test_jax_chooses_its_platform_where_an_accelerator_may_exist():
   assert "JAX_PLATFORMS" not in console.default_environment({}, accelerator=True)
 
 
+@pytest.mark.slow
 def test_filter_drops_matching_lines_of_native_and_python_writes():
   code = ("import os, sys\nfrom t5x_lite import console\n"
           "with console.native_stderr_without(('cudart_stub.cc', 'noise')):\n"
@@ -43,6 +46,7 @@ def test_filter_drops_matching_lines_of_native_and_python_writes():
   assert result.returncode == 0 and result.stderr == "kept 1\nkept 2\nkept 3\n", result.stderr
 
 
+@pytest.mark.slow
 def test_lines_before_a_crash_inside_the_filter_still_show():
   crash = ("import os\nfrom t5x_lite import console\n"
            "with console.native_stderr_without(('noise',)):\n"
@@ -53,6 +57,7 @@ def test_lines_before_a_crash_inside_the_filter_still_show():
   assert "F0000 the real problem" in result.stderr and "noise" not in result.stderr
 
 
+@pytest.mark.slow
 def test_tensorflow_import_prints_no_cuda_stub_lines():
   result = _python("from t5x_lite import console\nimport tensorflow")
   assert result.returncode == 0, result.stderr

@@ -276,6 +276,7 @@ def _eval_args(checkpoint_path, output_dir) -> list[str]:
             "--gin.NUM_EXAMPLES=8"]
 
 
+@pytest.mark.slow
 def test_eval_entry_on_trained_checkpoints_then_skips_evaluated_steps(tmp_path):
     model_dir, out = tmp_path / "model", tmp_path / "eval"
     _run("t5x_lite.train", *_TRAIN, f"--gin.MODEL_DIR={model_dir}")

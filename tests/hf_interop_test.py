@@ -310,6 +310,7 @@ def _run_converter(*flags: str, check: bool = True, cwd: str = REPO_ROOT
         check=check, cwd=cwd, capture_output=True, text=True)
 
 
+@pytest.mark.slow
 def test_converter_round_trip_through_orbax_with_relative_paths(hf_model_dir, tmp_path):
     name, _, path = hf_model_dir
     scan_layers = name == "t5_1_1"  # one stacked, one unstacked layout
@@ -331,6 +332,7 @@ def _error_line(result: subprocess.CompletedProcess) -> str:
     return line
 
 
+@pytest.mark.slow
 def test_garbage_safetensors_and_missing_files_are_named(tmp_path):
     hf_dir = tmp_path / "hf"
     hf_dir.mkdir()
@@ -353,6 +355,7 @@ def test_garbage_safetensors_and_missing_files_are_named(tmp_path):
     assert _error_line(result) == f"ERROR: No checkpoint at nope ({tmp_path}/nope): it does not exist"
 
 
+@pytest.mark.slow
 def test_converter_to_hf_takes_config_from_gin(tmp_path):
     path = str(tmp_path / "hf")
     _make_hf_model("t5_1_1").save_pretrained(path)
@@ -371,6 +374,7 @@ def test_converter_to_hf_takes_config_from_gin(tmp_path):
     _assert_tensors_bitwise_equal(_load_tensors(path), _load_tensors(out))
 
 
+@pytest.mark.slow
 def test_converter_to_hf_reads_training_checkpoint_config(tmp_path):
     path = str(tmp_path / "hf")
     _make_hf_model("t5_1_0").save_pretrained(path)

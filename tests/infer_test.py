@@ -199,6 +199,7 @@ def test_relative_paths_and_unusable_files_are_named(ckpt, tmp_path, monkeypatch
         inference.DecodeConfig(decode_fn="nucleus")
 
 
+@pytest.mark.slow
 def test_infer_entry_point(tmp_path):
     _write_checkpoint(tmp_path / "ckpt", _config(vocab_size=8192))  # the offline vocabulary
     source = _jsonl(tmp_path / "in.jsonl", [{"inputs": t, "targets": "x"} for t in INPUTS[:3]])

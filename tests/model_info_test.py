@@ -102,6 +102,7 @@ def _run_model_info(*args: str) -> subprocess.CompletedProcess:
                         capture_output=True, text=True, env=env, cwd=REPO, timeout=300)
 
 
+@pytest.mark.slow
 def test_model_info_json():
   result = _run_model_info('--gin_file=models/t5_1_1/small.gin',
                            '--gin.T5Config.num_decoder_layers=4', '--input_length=64',
@@ -116,6 +117,7 @@ def test_model_info_json():
   assert info['config']['num_decoder_layers'] == 4
 
 
+@pytest.mark.slow
 def test_model_info_unknown_binding_fails():
   result = _run_model_info('--gin_file=models/t5_1_1/tiny.gin', '--gin.T5Config.num_expert=2')
   assert result.returncode != 0

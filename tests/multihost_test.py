@@ -28,6 +28,8 @@ import pytest
 
 from t5x_lite import checkpoints, cli, data, partitioning, train_loop, trainer
 
+pytestmark = pytest.mark.slow  # subprocess runs of the entry points
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = """
 include 'quickstart.gin'

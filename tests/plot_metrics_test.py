@@ -48,6 +48,7 @@ def test_progress_line_has_step_loss_and_eta():
   assert line == "train step 12/100 | loss 2.5000 | MFU 12.3% | ETA 2m05s"
 
 
+@pytest.mark.slow
 def test_plot_tool_writes_png(tmp_path):
   _write_run(tmp_path)
   with open(tmp_path / "metrics.jsonl", "a") as f:

@@ -16,6 +16,8 @@ import pytest
 
 from t5x_lite import precompile
 
+pytestmark = pytest.mark.slow  # subprocess runs of the entry points
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HAS_LIBTPU = importlib.util.find_spec("libtpu") is not None
 needs_libtpu = pytest.mark.skipif(not HAS_LIBTPU, reason="libtpu missing: pip install -e '.[tpu]'")

@@ -39,6 +39,7 @@ def _run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedP
     )
 
 
+@pytest.mark.slow
 def test_list_prints_every_task_and_mixture():
     result = _run("--list")
     assert result.returncode == 0, result.stderr[-3000:]
@@ -53,6 +54,7 @@ def test_list_prints_every_task_and_mixture():
     assert {"quickstart", "cpython_span_corruption", "glue_v2", "local_glue_sst2"} <= set(names)
 
 
+@pytest.mark.slow
 def test_shows_each_stage_of_a_mixture():
     result = _run("quickstart", "--num_examples", "1", "--sequence_length", "inputs=64,targets=16")
     assert result.returncode == 0, result.stderr[-3000:]
@@ -92,6 +94,7 @@ def test_unknown_name_or_split_lists_the_choices():
         tool.show("quickstart", 1, "dev", {"inputs": 8, "targets": 8}, seed=0)
 
 
+@pytest.mark.slow
 def test_missing_feature_is_one_error_line(tmp_path):
     (tmp_path / "train.tsv").write_text("sentence\tlbl\ngood\t1\n")
     (tmp_path / "show_task_test_tasks.py").write_text(

@@ -284,6 +284,7 @@ def _params_of(step_dir) -> dict:
     return jax.tree.map(np.asarray, ckptr.restore(os.path.join(step_dir, "params")))
 
 
+@pytest.mark.slow
 def test_entry_point_trains_and_resumes_exactly(tmp_path):
   whole, split = tmp_path / "whole", tmp_path / "split"
   output, exit_seconds = _run(whole, 10, "--gin.EVAL_PERIOD=10")
@@ -305,6 +306,7 @@ def test_entry_point_trains_and_resumes_exactly(tmp_path):
   jax.tree.map(np.testing.assert_array_equal, _params_of(whole / "10"), _params_of(split / "10"))
 
 
+@pytest.mark.slow
 def test_kill_9_then_resume_then_sigterm(tmp_path):
   model_dir = tmp_path / "run"
   # kill -9: at most the steps since the last committed save are lost.

@@ -11,6 +11,7 @@ import threading
 os.environ.setdefault("T5X_LITE_CACHE", os.path.join(tempfile.gettempdir(), "t5x_lite_test_cache"))
 
 import gin  # noqa: E402
+import pytest  # noqa: E402
 import seqio  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
@@ -91,6 +92,7 @@ def test_cache_dir_precedence(monkeypatch, tmp_path):
     assert cache.cache_dir() == os.path.expanduser("~/.cache/t5x_lite")
 
 
+@pytest.mark.slow
 def test_train_vocab_tool_from_task(tmp_path):
     output = tmp_path / "out.model"
     result = subprocess.run(

@@ -25,7 +25,7 @@ wrapper), `<root>/<step>/config` a JsonSave of the `T5Config` fields, and
 
 from __future__ import annotations
 
-from t5x_lite import console  # noqa: F401  (first: quiets TensorFlow and JAX start-up)
+from t5x_lite import console  # first: quiets TensorFlow and JAX start-up
 
 import dataclasses
 import os
@@ -174,6 +174,7 @@ def orbax_to_hf(
 
 def main(argv: Sequence[str]) -> None:
     """Parses flags and runs the requested conversion."""
+    console.quiet_library_logs()
     if len(argv) > 1:
         raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
     if _DIRECTION.value == "from_hf":

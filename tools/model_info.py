@@ -13,7 +13,7 @@ flops_per_token, forward_flops and a per-stack breakdown. A bad gin file or
 binding is reported as one `ERROR: <message>` line on stderr with exit status 1.
 """
 
-from t5x_lite import console  # noqa: F401  (first: quiets TensorFlow and JAX start-up)
+from t5x_lite import console  # first: quiets TensorFlow and JAX start-up
 
 import dataclasses
 import json
@@ -117,6 +117,7 @@ def configured_network() -> network.T5Config:
 
 
 def main(argv: Sequence[str]) -> None:
+    console.quiet_library_logs()
     if len(argv) > 1:
         raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
     config = configured_network()

@@ -19,7 +19,7 @@ an unknown task or field, a vocabulary too large for the text) is reported as on
 `ERROR: <message>` line on stderr with exit status 1.
 """
 
-from t5x_lite import console  # noqa: F401  (first: quiets TensorFlow and JAX start-up)
+from t5x_lite import console  # first: quiets TensorFlow and JAX start-up
 
 import itertools
 import os
@@ -136,6 +136,7 @@ def _train(text: Iterator[str]) -> bytes:
 
 
 def main(argv: Sequence[str]) -> None:
+    console.quiet_library_logs()
     del argv
     if bool(_INPUT_FILES.value) == bool(_TASK.value):
         raise app.UsageError("Give exactly one of --input_files and --task.")
