@@ -209,7 +209,7 @@ def test_corrupt_latest_step_is_skipped_by_eval_and_infer_and_redone_by_training
     with pytest.raises(CorruptCheckpointError, match=str(victim)):  # a step asked for explicitly
         _evaluate(model_dir / "4", tmp_path / "eval4")
     caplog.clear()
-    with caplog.at_level(logging.INFO):
+    with caplog.at_level(logging.INFO, logger="absl"):
         batch_inference.infer(_build_model, checkpoint_path=str(model_dir),
                               output_file=str(tmp_path / "out.jsonl"),
                               task_feature_lengths=lengths, input_file=None,
@@ -220,7 +220,7 @@ def test_corrupt_latest_step_is_skipped_by_eval_and_infer_and_redone_by_training
     assert {p: p.read_bytes() for p in (model_dir / "4").rglob("*") if p.is_file()} == corrupt
 
     caplog.clear()
-    with caplog.at_level(logging.INFO):
+    with caplog.at_level(logging.INFO, logger="absl"):
         _train_tiny(model_dir, total_steps=6)
     assert f"using step 2 of {model_dir} instead" in caplog.text
     assert f"Resuming from {model_dir}/2" in caplog.text
