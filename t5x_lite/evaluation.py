@@ -369,7 +369,7 @@ def training_evaluator(
     """
     if dataset_cfg is None and eval_dataset_cfg is None:
         raise ConfigError("train.infer_eval_period needs train.eval_dataset_cfg or "
-                         "training_evaluator.dataset_cfg.")
+                          "training_evaluator.dataset_cfg.")
     cfg = dataset_cfg or dataclasses.replace(eval_dataset_cfg, shuffle=False, pack=False)
     runner = inference.ModelRunner(model, mesh, rules, param_shardings,
                                    decode or inference.DecodeConfig(), cfg.batch_size)

@@ -395,7 +395,8 @@ def train(
   with contextlib.ExitStack() as stack:
     stack.callback(ckpt.close)
     stack.enter_context(stop.installed())
-    data.log_truncation(train_dataset_cfg)  # warns when examples exceed the feature lengths
+    if jax.process_index() == 0:  # every host reads the same first examples: report once
+      data.log_truncation(train_dataset_cfg)  # warns when examples exceed the feature lengths
     train_iter = data.train_iterator(
         train_dataset_cfg, partitioning.batch_sharding(mesh), data_checkpoint_mode)
     setup = _setup_state(
