@@ -106,11 +106,11 @@ def write_file_manifest(step_dir: epath.PathLike) -> None:
   """Records size and CRC32 of every file of a committed step in files.json."""
   step_dir = epath.Path(step_dir)
   entries = {
-      os.fspath(p.relative_to(step_dir)): {
-          "size": p.stat().length,
-          "crc32": _crc32(p),
-      }
-      for p in _step_files(step_dir)
+    os.fspath(p.relative_to(step_dir)): {
+      "size": p.stat().length,
+      "crc32": _crc32(p),
+    }
+    for p in _step_files(step_dir)
   }
   tmp = step_dir / (FILE_MANIFEST + ".tmp")
   tmp.write_text(json.dumps(entries, indent=1, sort_keys=True))
@@ -141,13 +141,11 @@ def verify_files(step_dir: epath.PathLike, *, checksums: bool = True) -> bool:
     size = path.stat().length
     if size != want["size"]:
       raise CorruptCheckpointError(
-          f"Checkpoint file truncated or altered: {path} has {size} bytes, "
-          f"{want['size']} were written."
+        f"Checkpoint file truncated or altered: {path} has {size} bytes, "
+        f"{want['size']} were written."
       )
     if checksums and _crc32(path) != want["crc32"]:
-      raise CorruptCheckpointError(
-          f"Checkpoint file corrupt (CRC32 mismatch): {path}"
-      )
+      raise CorruptCheckpointError(f"Checkpoint file corrupt (CRC32 mismatch): {path}")
   return True
 
 
@@ -162,9 +160,12 @@ def _details(corrupt: Corrupt) -> str:
 def _warn_skipped(corrupt: Corrupt, instead: str) -> None:
   """One loud warning naming every corrupt step, its bad file and what is used instead."""
   logging.warning(
-      "CORRUPT CHECKPOINT STEP%s %s skipped (%s); %s. The corrupt files are left as they are.",
-      "S" if len(corrupt) > 1 else "", ", ".join(str(step) for step, _ in corrupt),
-      _details(corrupt), instead)
+    "CORRUPT CHECKPOINT STEP%s %s skipped (%s); %s. The corrupt files are left as they are.",
+    "S" if len(corrupt) > 1 else "",
+    ", ".join(str(step) for step, _ in corrupt),
+    _details(corrupt),
+    instead,
+  )
 
 
 def _none_intact(root: epath.Path, corrupt: Corrupt) -> CorruptCheckpointError:
@@ -172,8 +173,9 @@ def _none_intact(root: epath.Path, corrupt: Corrupt) -> CorruptCheckpointError:
   return CorruptCheckpointError(f"No intact checkpoint step in {root}: {_details(corrupt)}")
 
 
-def newest_intact(root: epath.Path, steps: Sequence[int], load: Callable[[int], _T]
-                  ) -> tuple[int, _T]:
+def newest_intact(
+  root: epath.Path, steps: Sequence[int], load: Callable[[int], _T]
+) -> tuple[int, _T]:
   """Loads the newest step whose `load` raises no `CorruptCheckpointError`.
 
   Args:
@@ -202,8 +204,9 @@ def newest_intact(root: epath.Path, steps: Sequence[int], load: Callable[[int], 
   raise _none_intact(root, corrupt)
 
 
-def intact_steps(root: epath.Path, steps: Sequence[tuple[int, epath.Path]], *,
-                 checksums: bool = True) -> list[tuple[int, epath.Path]]:
+def intact_steps(
+  root: epath.Path, steps: Sequence[tuple[int, epath.Path]], *, checksums: bool = True
+) -> list[tuple[int, epath.Path]]:
   """The (step, step directory) pairs whose files verify (`verify_files`).
 
   Args:

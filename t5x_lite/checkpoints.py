@@ -38,15 +38,15 @@ from absl import logging
 from etils import epath
 
 from t5x_lite.checkpoint_files import (
-    CheckpointError,
-    CheckpointNotFoundError,
-    CorruptCheckpointError,
-    absolute_path,
-    newest_intact,
-    not_a_directory,
-    shown,
-    verify_files,
-    write_file_manifest,
+  CheckpointError,
+  CheckpointNotFoundError,
+  CorruptCheckpointError,
+  absolute_path,
+  newest_intact,
+  not_a_directory,
+  shown,
+  verify_files,
+  write_file_manifest,
 )
 from t5x_lite.errors import ConfigError
 
@@ -97,18 +97,18 @@ def flat_shapes(tree: Any) -> dict[str, tuple[int, ...]]:
   """
   leaves, _ = jax.tree_util.tree_flatten_with_path(tree)
   return {
-      "/".join(_key_str(k) for k in path): tuple(leaf.shape)
-      for path, leaf in leaves
-      if leaf is not None
+    "/".join(_key_str(k) for k in path): tuple(leaf.shape)
+    for path, leaf in leaves
+    if leaf is not None
   }
 
 
 def check_tree_matches(
-    saved: Mapping[str, tuple[int, ...]],
-    target: Mapping[str, tuple[int, ...]],
-    *,
-    what: str,
-    location: str,
+  saved: Mapping[str, tuple[int, ...]],
+  target: Mapping[str, tuple[int, ...]],
+  *,
+  what: str,
+  location: str,
 ) -> None:
   """Raises `CheckpointMismatchError` unless both trees have equal paths/shapes.
 
@@ -123,18 +123,13 @@ def check_tree_matches(
   """
   missing = sorted(set(target) - set(saved))
   unexpected = sorted(set(saved) - set(target))
-  reshaped = sorted(
-      p for p in set(saved) & set(target) if tuple(saved[p]) != tuple(target[p])
-  )
+  reshaped = sorted(p for p in set(saved) & set(target) if tuple(saved[p]) != tuple(target[p]))
   if not (missing or unexpected or reshaped):
     return
   lines = [f"The {what} in checkpoint {location} do not match the model:"]
   lines += [f"  missing in checkpoint: {p} {target[p]}" for p in missing]
   lines += [f"  unexpected in checkpoint: {p} {saved[p]}" for p in unexpected]
-  lines += [
-      f"  shape mismatch: {p} checkpoint {saved[p]} vs model {target[p]}"
-      for p in reshaped
-  ]
+  lines += [f"  shape mismatch: {p} checkpoint {saved[p]} vs model {target[p]}" for p in reshaped]
   raise CheckpointMismatchError("\n".join(lines))
 
 
@@ -155,18 +150,23 @@ def root_steps(root: epath.PathLike) -> list[int]:
       not exist or holds no step.
   """
   path = absolute_path(root)
-  steps = sorted(
-      int(p.name) for p in path.iterdir() if p.name.isdigit() and (p / PARAMS).is_dir()
-  ) if path.is_dir() else []
+  steps = (
+    sorted(int(p.name) for p in path.iterdir() if p.name.isdigit() and (p / PARAMS).is_dir())
+    if path.is_dir()
+    else []
+  )
   if not steps:
-    why = ("expected a step directory with params/ or a MODEL_DIR with numbered step "
-           "directories" if path.exists() else "it does not exist")
+    why = (
+      "expected a step directory with params/ or a MODEL_DIR with numbered step directories"
+      if path.exists()
+      else "it does not exist"
+    )
     raise CheckpointNotFoundError(f"No checkpoint at {shown(root)}: {why}")
   return steps
 
 
 def resolve_step_dir(
-    path: epath.PathLike, step: int | None = None, *, verify_checksums: bool = True
+  path: epath.PathLike, step: int | None = None, *, verify_checksums: bool = True
 ) -> epath.Path:
   """Returns the verified, absolute step directory of a checkpoint root or step directory.
 
@@ -189,8 +189,9 @@ def resolve_step_dir(
   steps = root_steps(path)
   if step is None:
     step, _ = newest_intact(
-        directory, steps,
-        lambda s: verify_files(directory / str(s), checksums=verify_checksums),
+      directory,
+      steps,
+      lambda s: verify_files(directory / str(s), checksums=verify_checksums),
     )
   elif step not in steps:
     raise CheckpointNotFoundError(f"Step {step} not in {shown(path)} (have {steps})")
@@ -204,8 +205,8 @@ def _cast_abstract(target: Any, dtype: str | None) -> Any:
   if dtype is None:
     return target
   return jax.tree.map(
-      lambda x: jax.ShapeDtypeStruct(x.shape, np.dtype(dtype), sharding=x.sharding),
-      target,
+    lambda x: jax.ShapeDtypeStruct(x.shape, np.dtype(dtype), sharding=x.sharding),
+    target,
   )
 
 
@@ -223,8 +224,10 @@ def _saved_shapes(item_dir: epath.Path) -> dict[str, tuple[int, ...]]:
 def _restore_item(item_dir: epath.Path, target: Any, what: str) -> Any:
   """Validates an item's tree against `target` and restores it into it."""
   check_tree_matches(
-      _saved_shapes(item_dir), flat_shapes(target), what=what,
-      location=os.fspath(item_dir),
+    _saved_shapes(item_dir),
+    flat_shapes(target),
+    what=what,
+    location=os.fspath(item_dir),
   )
   try:
     with ocp.StandardCheckpointer() as checkpointer:
@@ -234,12 +237,12 @@ def _restore_item(item_dir: epath.Path, target: Any, what: str) -> Any:
 
 
 def restore_params(
-    path: epath.PathLike,
-    target: Any,
-    *,
-    step: int | None = None,
-    dtype: str | None = None,
-    verify_checksums: bool = True,
+  path: epath.PathLike,
+  target: Any,
+  *,
+  step: int | None = None,
+  dtype: str | None = None,
+  verify_checksums: bool = True,
 ) -> Any:
   """Restores only the `params` item of a checkpoint (fine-tuning start).
 
@@ -268,11 +271,11 @@ def restore_params(
 
 
 def write_params_checkpoint(
-    root: epath.PathLike,
-    params: Any,
-    *,
-    step: int = 0,
-    config: Mapping[str, Any] | None = None,
+  root: epath.PathLike,
+  params: Any,
+  *,
+  step: int = 0,
+  config: Mapping[str, Any] | None = None,
 ) -> epath.Path:
   """Writes a params-only checkpoint root (the HF converter's layout).
 
@@ -293,14 +296,14 @@ def write_params_checkpoint(
     raise CheckpointError(problem)
   if (absolute_path(root) / str(step)).exists():
     raise CheckpointError(
-        f"Checkpoint directory {shown(root)} already has step {step}; write to a new directory"
+      f"Checkpoint directory {shown(root)} already has step {step}; write to a new directory"
     )
   items = {PARAMS: ocp.args.StandardSave(params)}
   if config is not None:
     items[CONFIG] = ocp.args.JsonSave(dict(config))
   with ocp.CheckpointManager(
-      absolute_path(root),
-      options=ocp.CheckpointManagerOptions(enable_async_checkpointing=False),
+    absolute_path(root),
+    options=ocp.CheckpointManagerOptions(enable_async_checkpointing=False),
   ) as manager:
     manager.save(step, args=ocp.args.Composite(**items), force=True)
   step_dir = absolute_path(root) / str(step)
@@ -329,8 +332,8 @@ class _IteratorHandler(ocp.CheckpointHandler):
     path = self._path(directory)
     if not any(directory.glob(os.path.basename(path) + "*")):
       raise CheckpointError(
-          f"No data-iterator state for this host at {path}; was the checkpoint "
-          "written with a different number of processes?"
+        f"No data-iterator state for this host at {path}; was the checkpoint "
+        "written with a different number of processes?"
       )
     args.iterator.restore_state(path)
     return args.iterator
@@ -395,13 +398,13 @@ class TrainCheckpointer:
   """
 
   def __init__(
-      self,
-      directory: epath.PathLike,
-      *,
-      save_period: int = 1000,
-      keep: int | None = 3,
-      async_save: bool = True,
-      verify_checksums: bool = True,
+    self,
+    directory: epath.PathLike,
+    *,
+    save_period: int = 1000,
+    keep: int | None = 3,
+    async_save: bool = True,
+    verify_checksums: bool = True,
   ):
     """Opens (and creates) the checkpoint root.
 
@@ -425,9 +428,9 @@ class TrainCheckpointer:
     self.save_period = save_period
     self._verify_checksums = verify_checksums
     options = ocp.CheckpointManagerOptions(
-        preservation_policy=ocp.checkpoint_managers.LatestN(keep),
-        enable_async_checkpointing=async_save,
-        cleanup_tmp_directories=True,
+      preservation_policy=ocp.checkpoint_managers.LatestN(keep),
+      enable_async_checkpointing=async_save,
+      cleanup_tmp_directories=True,
     )
     registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
     for item in (PARAMS, OPT_STATE):
@@ -438,7 +441,7 @@ class TrainCheckpointer:
     registry.add(DATA_ITERATOR, IteratorSave, _IteratorHandler)
     registry.add(DATA_ITERATOR, IteratorRestore, _IteratorHandler)
     self._manager = ocp.CheckpointManager(
-        self.directory, options=options, handler_registry=registry
+      self.directory, options=options, handler_registry=registry
     )
     self._unmanifested: int | None = None
     self._corrupt: list[int] = []  # found by `restore_latest`, not yet moved aside
@@ -457,12 +460,12 @@ class TrainCheckpointer:
     return step % self.save_period == 0
 
   def save(
-      self,
-      step: int,
-      params: Any,
-      opt_state: Any,
-      meta: Mapping[str, Any],
-      iterator: CheckpointableIterator | None = None,
+    self,
+    step: int,
+    params: Any,
+    opt_state: Any,
+    meta: Mapping[str, Any],
+    iterator: CheckpointableIterator | None = None,
   ) -> bool:
     """Starts saving one step; returns False if the step already exists.
 
@@ -480,9 +483,9 @@ class TrainCheckpointer:
       return False
     self._finish_pending()
     items = {
-        PARAMS: ocp.args.StandardSave(params),
-        OPT_STATE: ocp.args.StandardSave(opt_state),
-        TRAIN_META: ocp.args.JsonSave({**meta, "step": step}),
+      PARAMS: ocp.args.StandardSave(params),
+      OPT_STATE: ocp.args.StandardSave(opt_state),
+      TRAIN_META: ocp.args.JsonSave({**meta, "step": step}),
     }
     if iterator is not None:
       items[DATA_ITERATOR] = IteratorSave(iterator)
@@ -491,11 +494,11 @@ class TrainCheckpointer:
     return True
 
   def restore(
-      self,
-      step: int,
-      abstract_params: Any,
-      abstract_opt_state: Any,
-      iterator: CheckpointableIterator | None = None,
+    self,
+    step: int,
+    abstract_params: Any,
+    abstract_opt_state: Any,
+    iterator: CheckpointableIterator | None = None,
   ) -> Restored:
     """Restores a training step into the shardings of the abstract trees.
 
@@ -523,14 +526,13 @@ class TrainCheckpointer:
     except Exception as e:  # JSON / tf.data errors: name the step directory
       raise CheckpointError(f"Cannot restore {step_dir}: {e}") from e
     logging.info("Restored training checkpoint %s", step_dir)
-    return Restored(step=step, params=params, opt_state=opt_state,
-                    meta=dict(restored[TRAIN_META]))
+    return Restored(step=step, params=params, opt_state=opt_state, meta=dict(restored[TRAIN_META]))
 
   def restore_latest(
-      self,
-      abstract_params: Any,
-      abstract_opt_state: Any,
-      iterator: CheckpointableIterator | None = None,
+    self,
+    abstract_params: Any,
+    abstract_opt_state: Any,
+    iterator: CheckpointableIterator | None = None,
   ) -> Restored | None:
     """Restores the newest intact step (see `restore`); None without any step.
 
@@ -547,8 +549,9 @@ class TrainCheckpointer:
     if not steps:
       return None
     step, restored = newest_intact(
-        self.directory, steps,
-        lambda s: self.restore(s, abstract_params, abstract_opt_state, iterator),
+      self.directory,
+      steps,
+      lambda s: self.restore(s, abstract_params, abstract_opt_state, iterator),
     )
     self._corrupt = [s for s in steps if s > step]
     return restored
@@ -565,8 +568,11 @@ class TrainCheckpointer:
           target = self.directory / f"{step}.corrupt.{n}"
         source.rename(target)
         logging.warning(
-            "Moved corrupt checkpoint step %s to %s (files unchanged) before saving the "
-            "steps training redoes; delete it once inspected.", source, target)
+          "Moved corrupt checkpoint step %s to %s (files unchanged) before saving the "
+          "steps training redoes; delete it once inspected.",
+          source,
+          target,
+        )
     ocp.multihost.sync_global_processes("t5x_lite_set_aside_corrupt_steps")
     self._manager.reload()
     self._corrupt = []

@@ -57,20 +57,27 @@ CPU_XLA_FLAGS = {"xla_cpu_experimental_ynn_fusion_type": "-reduce"}
 FLAGS = flags.FLAGS
 flags.DEFINE_multi_string("gin_file", [], "Gin config file(s), parsed in order.")
 flags.DEFINE_multi_string("gin_bindings", [], "Gin bindings, applied after the files.")
-flags.DEFINE_list("gin_search_paths", list(DEFAULT_GIN_SEARCH_PATHS),
-                  "Directories searched for --gin_file and gin `include`s.")
+flags.DEFINE_list(
+  "gin_search_paths",
+  list(DEFAULT_GIN_SEARCH_PATHS),
+  "Directories searched for --gin_file and gin `include`s.",
+)
 flags.DEFINE_string("tfds_data_dir", None, "Overrides the TFDS data dir of seqio tasks.")
 flags.DEFINE_multi_string(
-    "module_import", [],
-    "Module(s) that register seqio tasks, e.g. my_tasks for ./my_tasks.py; imported "
-    "before the gin files are parsed, from the working directory or PYTHONPATH.")
-flags.DEFINE_string("data_dir", None,
-                    "Directory of local-file tasks; shorthand for --gin.local_data_dir.path.")
+  "module_import",
+  [],
+  "Module(s) that register seqio tasks, e.g. my_tasks for ./my_tasks.py; imported "
+  "before the gin files are parsed, from the working directory or PYTHONPATH.",
+)
+flags.DEFINE_string(
+  "data_dir", None, "Directory of local-file tasks; shorthand for --gin.local_data_dir.path."
+)
 flags.DEFINE_string("coordinator_address", None, "Multi-host: 'host:port' of process 0.")
 flags.DEFINE_integer("process_count", None, "Multi-host: number of processes.")
 flags.DEFINE_integer("process_index", None, "Multi-host: index of this process.")
-flags.DEFINE_bool("verbose", False,
-                  "Print the traceback of expected errors too (by default: one ERROR line).")
+flags.DEFINE_bool(
+  "verbose", False, "Print the traceback of expected errors too (by default: one ERROR line)."
+)
 
 
 def _gin_value(value: str) -> str:
@@ -102,7 +109,7 @@ def rewrite_gin_args(argv: Sequence[str]) -> list[str]:
     if not arg.startswith(_GIN_SHORTHAND):
       rewritten.append(arg)
       continue
-    name, sep, value = arg[len(_GIN_SHORTHAND):].partition("=")
+    name, sep, value = arg[len(_GIN_SHORTHAND) :].partition("=")
     if not sep or not name:
       raise ConfigError(f"Expected --gin.NAME=VALUE, got {arg!r}")
     rewritten.append(f"--gin_bindings={name} = {_gin_value(value)}")
@@ -144,8 +151,11 @@ def _resolved_macro(value: Any) -> Any:
 def unset_required_macros() -> list[str]:
   """Names of the gin macros still set to `%gin.REQUIRED` after parsing, sorted."""
   config = gin.config._CONFIG  # pylint: disable=protected-access
-  return sorted(name for (name, selector), params in config.items()
-                if selector == "gin.macro" and _resolved_macro(params.get("value")) is gin.REQUIRED)
+  return sorted(
+    name
+    for (name, selector), params in config.items()
+    if selector == "gin.macro" and _resolved_macro(params.get("value")) is gin.REQUIRED
+  )
 
 
 def check_required_macros(optional: Sequence[str] = ()) -> None:
@@ -155,17 +165,18 @@ def check_required_macros(optional: Sequence[str] = ()) -> None:
     return
   how = " ".join(f"--gin.{name}=..." for name in missing)
   raise ConfigError(
-      f"gin macro{'s' if len(missing) > 1 else ''} {', '.join(missing)} "
-      f"{'are' if len(missing) > 1 else 'is'} required (%gin.REQUIRED) but never set: "
-      f"add {how}, or set {'them' if len(missing) > 1 else 'it'} in a gin file given after "
-      "the one that requires it (a later file that includes runs/*.gin resets what an "
-      "earlier file set)")
+    f"gin macro{'s' if len(missing) > 1 else ''} {', '.join(missing)} "
+    f"{'are' if len(missing) > 1 else 'is'} required (%gin.REQUIRED) but never set: "
+    f"add {how}, or set {'them' if len(missing) > 1 else 'it'} in a gin file given after "
+    "the one that requires it (a later file that includes runs/*.gin resets what an "
+    "earlier file set)"
+  )
 
 
 def parse_gin(
-    gin_files: Sequence[str],
-    bindings: Sequence[str],
-    search_paths: Sequence[str] = DEFAULT_GIN_SEARCH_PATHS,
+  gin_files: Sequence[str],
+  bindings: Sequence[str],
+  search_paths: Sequence[str] = DEFAULT_GIN_SEARCH_PATHS,
 ) -> None:
   """Parses gin files then bindings.
 
@@ -185,8 +196,7 @@ def parse_gin(
   for path in search_paths:
     gin.add_config_file_search_path(path)  # a repeated path is harmless
   try:
-    gin.parse_config_files_and_bindings(list(gin_files), list(bindings),
-                                        finalize_config=False)
+    gin.parse_config_files_and_bindings(list(gin_files), list(bindings), finalize_config=False)
   except (OSError, SyntaxError, ValueError, ImportError, KeyError, TypeError) as e:
     raise ConfigError(_one_line_gin_error(e)) from e
 
@@ -197,8 +207,10 @@ def _one_line_gin_error(error: Exception) -> str:
   if isinstance(error, OSError) and "Unable to open file" in message:
     message = message.replace("Unable to open file", "gin file not found")
   if isinstance(error, ModuleNotFoundError):
-    message = (f"{message}: a gin `import` or --module_import names a module that is not on "
-               "the Python path (the working directory is searched first)")
+    message = (
+      f"{message}: a gin `import` or --module_import names a module that is not on "
+      "the Python path (the working directory is searched first)"
+    )
   return " ".join(line.strip() for line in message.splitlines() if line.strip())
 
 
@@ -208,12 +220,11 @@ def initialize_distributed() -> None:
   if all(v is None for v in given):
     return
   if any(v is None for v in given):
-    raise app.UsageError(
-        "--coordinator_address, --process_count and --process_index go together.")
+    raise app.UsageError("--coordinator_address, --process_count and --process_index go together.")
   jax.distributed.initialize(
-      coordinator_address=FLAGS.coordinator_address,
-      num_processes=FLAGS.process_count,
-      process_id=FLAGS.process_index,
+    coordinator_address=FLAGS.coordinator_address,
+    num_processes=FLAGS.process_count,
+    process_id=FLAGS.process_index,
   )
   logging.info("Process %d of %d", jax.process_index(), jax.process_count())
 
@@ -260,14 +271,16 @@ def add_cpu_xla_flags(environ: dict[str, str] | None = None) -> str:
   """
   environ = os.environ if environ is None else environ
   current = environ.get("XLA_FLAGS", "")
-  added = [f"--{name}={value}" for name, value in CPU_XLA_FLAGS.items()
-           if f"--{name}=" not in current]
+  added = [
+    f"--{name}={value}" for name, value in CPU_XLA_FLAGS.items() if f"--{name}=" not in current
+  ]
   environ["XLA_FLAGS"] = " ".join([current.strip()] + added).strip()
   return environ["XLA_FLAGS"]
 
 
 def _gin_missing_bindings_as_config_error(
-    main: Callable[[Sequence[str]], None]) -> Callable[[Sequence[str]], None]:
+  main: Callable[[Sequence[str]], None],
+) -> Callable[[Sequence[str]], None]:
   """`main` with gin's RuntimeError for an unbound `gin.REQUIRED` default as a ConfigError."""
 
   def wrapped(argv: Sequence[str]) -> None:
@@ -289,5 +302,6 @@ def run(main: Callable[[Sequence[str]], None], argv: Sequence[str] | None = None
     argv = rewrite_gin_args(sys.argv if argv is None else argv)
   except ConfigError as e:
     errors.fail(str(e))
-  app.run(errors.reporting(_gin_missing_bindings_as_config_error(main), lambda: FLAGS.verbose),
-          argv=argv)
+  app.run(
+    errors.reporting(_gin_missing_bindings_as_config_error(main), lambda: FLAGS.verbose), argv=argv
+  )

@@ -54,8 +54,8 @@ from absl import logging  # absl loads neither TensorFlow nor JAX
 ACCELERATOR_DEVICES = ("/dev/accel*", "/dev/vfio/*", "/dev/nvidia*", "/dev/dxg", "/dev/kfd")
 # Lines TensorFlow's shared libraries print while loading on a machine without CUDA.
 TENSORFLOW_IMPORT_NOISE = (
-    "All log messages before absl::InitializeLog() is called are written to STDERR",
-    "cudart_stub.cc",
+  "All log messages before absl::InitializeLog() is called are written to STDERR",
+  "cudart_stub.cc",
 )
 # Copies stdin to stderr without the lines that contain an argument.
 _LINE_FILTER = """
@@ -100,8 +100,11 @@ def native_stderr_without(drop: Sequence[str]) -> Iterator[None]:
     drop: substrings of the lines to drop.
   """
   sys.stderr.flush()
-  line_filter = subprocess.Popen([sys.executable, "-I", "-c", _LINE_FILTER, *drop],
-                                 stdin=subprocess.PIPE, stdout=subprocess.DEVNULL)
+  line_filter = subprocess.Popen(
+    [sys.executable, "-I", "-c", _LINE_FILTER, *drop],
+    stdin=subprocess.PIPE,
+    stdout=subprocess.DEVNULL,
+  )
   original = os.dup(2)
   os.dup2(line_filter.stdin.fileno(), 2)
   try:
@@ -118,10 +121,10 @@ class _QuietTensorFlowImport(importlib.abc.MetaPathFinder):
   """Runs the first `import tensorflow` in `native_stderr_without(TENSORFLOW_IMPORT_NOISE)`."""
 
   def find_spec(
-      self,
-      fullname: str,
-      path: Sequence[str] | None,
-      target: types.ModuleType | None = None,
+    self,
+    fullname: str,
+    path: Sequence[str] | None,
+    target: types.ModuleType | None = None,
   ) -> importlib.machinery.ModuleSpec | None:
     """TensorFlow's own spec, its loader wrapped; None for every other module."""
     del path, target
@@ -142,9 +145,13 @@ class _QuietTensorFlowImport(importlib.abc.MetaPathFinder):
 
 
 # Library sources whose INFO logs are dropped (their warnings still show).
-QUIET_LIBRARY_PATHS = (f"{os.sep}orbax{os.sep}", f"{os.sep}seqio{os.sep}",
-                       f"{os.sep}tensorflow{os.sep}", f"{os.sep}jax{os.sep}",
-                       f"{os.sep}rouge_score{os.sep}")
+QUIET_LIBRARY_PATHS = (
+  f"{os.sep}orbax{os.sep}",
+  f"{os.sep}seqio{os.sep}",
+  f"{os.sep}tensorflow{os.sep}",
+  f"{os.sep}jax{os.sep}",
+  f"{os.sep}rouge_score{os.sep}",
+)
 # Warnings that are expected in normal use (dropped when the message contains one):
 # restoring one item (params) of a step directly from its item directory, which has
 # no step metadata file; seqio's advice on every training dataset of a function
@@ -153,10 +160,10 @@ QUIET_LIBRARY_PATHS = (f"{os.sep}orbax{os.sep}", f"{os.sep}seqio{os.sep}",
 # and the packing converter's note that it drops the `*_pretokenized` text features,
 # which the model never takes.
 SILENT_MESSAGES = (
-    "Metadata file does not exist",
-    "Using an uncached FunctionDataset for training is not recommended",
-    "not cached so using number of input examples instead of preprocessed examples",
-    "will be removed during packing",
+  "Metadata file does not exist",
+  "Using an uncached FunctionDataset for training is not recommended",
+  "not cached so using number of input examples instead of preprocessed examples",
+  "will be removed during packing",
 )
 # gin's package-path file reader logs an ERROR for every search path that does
 # not hold a file, although the next one does; those records are dropped.

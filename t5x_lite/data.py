@@ -82,9 +82,10 @@ def get_mixture_or_task(name: str) -> seqio.Task | seqio.Mixture:
   close = difflib.get_close_matches(name, registered_names(), n=5, cutoff=0.5)
   hint = f" (closest: {', '.join(close)})" if close else ""
   raise ConfigError(
-      f"No seqio task or mixture named {name!r}{hint}; tools/show_task.py --list shows all "
-      "(a task of your own is registered by importing its module: --module_import=my_tasks "
-      "or gin `import my_tasks`)")
+    f"No seqio task or mixture named {name!r}{hint}; tools/show_task.py --list shows all "
+    "(a task of your own is registered by importing its module: --module_import=my_tasks "
+    "or gin `import my_tasks`)"
+  )
 
 
 def import_task_modules(modules: Sequence[str]) -> None:
@@ -104,8 +105,9 @@ def import_task_modules(modules: Sequence[str]) -> None:
     except ModuleNotFoundError as e:
       if e.name and module.startswith(e.name):
         raise ConfigError(
-            f"--module_import={module}: no module {e.name!r} in the working directory "
-            f"({os.getcwd()}) or on PYTHONPATH") from e
+          f"--module_import={module}: no module {e.name!r} in the working directory "
+          f"({os.getcwd()}) or on PYTHONPATH"
+        ) from e
       raise
 
 
@@ -146,18 +148,13 @@ def feature_converter(config: DatasetConfig) -> seqio.FeatureConverter:
 
 def model_feature_lengths(config: DatasetConfig) -> dict[str, int]:
   """Lengths of the model features (encoder_input_tokens, decoder_*, ...)."""
-  return dict(
-      feature_converter(config).get_model_feature_lengths(
-          config.task_feature_lengths
-      )
-  )
+  return dict(feature_converter(config).get_model_feature_lengths(config.task_feature_lengths))
 
 
 def model_input_shapes(config: DatasetConfig) -> dict[str, tuple[int, int]]:
   """Global [batch, length] shape of every model feature."""
   return {
-      name: (config.batch_size, length)
-      for name, length in model_feature_lengths(config).items()
+    name: (config.batch_size, length) for name, length in model_feature_lengths(config).items()
   }
 
 
@@ -166,8 +163,7 @@ def per_host_batch_size(global_batch_size: int) -> int:
   count = jax.process_count()
   if global_batch_size % count:
     raise ValueError(
-        f"Global batch size {global_batch_size} is not divisible by the "
-        f"{count} processes."
+      f"Global batch size {global_batch_size} is not divisible by the {count} processes."
     )
   return global_batch_size // count
 
@@ -188,12 +184,12 @@ def _missing_key(error: KeyError) -> str | None:
 
 
 def preprocessed_examples(
-    task: seqio.Task,
-    split: str,
-    lengths: Mapping[str, int] | None,
-    seed: int | None = None,
-    *,
-    trim: bool = True,
+  task: seqio.Task,
+  split: str,
+  lengths: Mapping[str, int] | None,
+  seed: int | None = None,
+  *,
+  trim: bool = True,
 ) -> tf.data.Dataset:
   """The task's split in order, through its preprocessors applied one by one.
 
@@ -227,8 +223,10 @@ def preprocessed_examples(
       function = _unwrapped(preprocessor)
       untrimmed = function is seqio.preprocessors.append_eos_after_trim and not trim
       apply = seqio.utils.add_kwargs_to_transform(
-          preprocessor, output_features=task.output_features,
-          sequence_length=None if untrimmed or index < first_with_lengths else lengths)
+        preprocessor,
+        output_features=task.output_features,
+        sequence_length=None if untrimmed or index < first_with_lengths else lengths,
+      )
       available = list(dataset.element_spec)
       try:
         dataset = apply(dataset)
@@ -242,14 +240,15 @@ def preprocessed_examples(
         continue
       found = "the source has columns" if index == 0 else "its input has features"
       raise ConfigError(
-          f"Task {task.name}: preprocessor {getattr(function, '__name__', function)} asks for "
-          f"feature {missing!r}, but {found} {available}") from None
+        f"Task {task.name}: preprocessor {getattr(function, '__name__', function)} asks for "
+        f"feature {missing!r}, but {found} {available}"
+      ) from None
   return dataset
 
 
 @contextlib.contextmanager
 def naming_failing_task(
-    name: str, split: str, lengths: Mapping[str, int] | None, seed: int | None = None
+  name: str, split: str, lengths: Mapping[str, int] | None, seed: int | None = None
 ) -> Iterator[None]:
   """Turns a missing-feature error of building `name`'s dataset into one line naming the task.
 
@@ -276,23 +275,21 @@ def naming_failing_task(
 
 
 def _seqio_dataset(
-    config: DatasetConfig, *, shuffle: bool, num_epochs: int | None
+  config: DatasetConfig, *, shuffle: bool, num_epochs: int | None
 ) -> tf.data.Dataset:
   """This host's shard of `config`'s model features, unbatched."""
   name = config.mixture_or_task_name
   with naming_failing_task(name, config.split, config.task_feature_lengths, config.seed):
     return seqio.get_dataset(
-        name,
-        task_feature_lengths=config.task_feature_lengths,
-        feature_converter=feature_converter(config),
-        dataset_split=config.split,
-        use_cached=config.use_cached,
-        shuffle=shuffle,
-        num_epochs=num_epochs,
-        shard_info=seqio.ShardInfo(
-            index=jax.process_index(), num_shards=jax.process_count()
-        ),
-        seed=config.seed,
+      name,
+      task_feature_lengths=config.task_feature_lengths,
+      feature_converter=feature_converter(config),
+      dataset_split=config.split,
+      use_cached=config.use_cached,
+      shuffle=shuffle,
+      num_epochs=num_epochs,
+      shard_info=seqio.ShardInfo(index=jax.process_index(), num_shards=jax.process_count()),
+      seed=config.seed,
     )
 
 
@@ -316,12 +313,14 @@ class Truncation:
 
   def __str__(self) -> str:
     share = 100 * self.num_truncated / max(self.num_examples, 1)
-    return (f"{self.task}: {self.num_truncated} of {self.num_examples} examples ({share:.1f}%) "
-            f"have {self.feature} longer than {self.length} tokens and are truncated")
+    return (
+      f"{self.task}: {self.num_truncated} of {self.num_examples} examples ({share:.1f}%) "
+      f"have {self.feature} longer than {self.length} tokens and are truncated"
+    )
 
 
 def truncation_report(
-    config: DatasetConfig, num_examples: int = TRUNCATION_SAMPLE
+  config: DatasetConfig, num_examples: int = TRUNCATION_SAMPLE
 ) -> dict[str, dict[str, Truncation]]:
   """Counts examples whose features exceed `config.task_feature_lengths`.
 
@@ -344,21 +343,25 @@ def truncation_report(
     dataset = preprocessed_examples(task, config.split, lengths, config.seed, trim=False)
     features = [name for name in lengths if name in dataset.element_spec]
     sizes = dataset.take(num_examples).map(
-        lambda x, features=features: {name: tf.size(x[name]) for name in features},
-        num_parallel_calls=tf.data.AUTOTUNE)
+      lambda x, features=features: {name: tf.size(x[name]) for name in features},
+      num_parallel_calls=tf.data.AUTOTUNE,
+    )
     counts = next(sizes.batch(num_examples).as_numpy_iterator(), None)
     report[task.name] = {
-        name: Truncation(
-            task.name, name, lengths[name],
-            num_examples=0 if counts is None else len(counts[name]),
-            num_truncated=0 if counts is None else int((counts[name] > lengths[name]).sum()))
-        for name in features
+      name: Truncation(
+        task.name,
+        name,
+        lengths[name],
+        num_examples=0 if counts is None else len(counts[name]),
+        num_truncated=0 if counts is None else int((counts[name] > lengths[name]).sum()),
+      )
+      for name in features
     }
   return report
 
 
 def log_truncation(
-    config: DatasetConfig, num_examples: int = TRUNCATION_SAMPLE
+  config: DatasetConfig, num_examples: int = TRUNCATION_SAMPLE
 ) -> dict[str, dict[str, Truncation]]:
   """`truncation_report`, with a warning line for every feature that gets cut."""
   report = truncation_report(config, num_examples)
@@ -369,9 +372,7 @@ def log_truncation(
   return report
 
 
-def host_dataset(
-    config: DatasetConfig, *, num_epochs: int | None
-) -> tf.data.Dataset:
+def host_dataset(config: DatasetConfig, *, num_epochs: int | None) -> tf.data.Dataset:
   """This host's shard, batched to `batch_size // process_count`, prefetched.
 
   Args:
@@ -390,9 +391,7 @@ def host_dataset(
   return dataset.prefetch(tf.data.AUTOTUNE)
 
 
-def to_global(
-    local: Mapping[str, np.ndarray], sharding: Sharding
-) -> Batch:
+def to_global(local: Mapping[str, np.ndarray], sharding: Sharding) -> Batch:
   """Assembles per-host numpy batches into global arrays.
 
   Args:
@@ -403,8 +402,8 @@ def to_global(
     feature -> [global_batch, length] jax.Array.
   """
   return {
-      name: jax.make_array_from_process_local_data(sharding, np.asarray(value))
-      for name, value in local.items()
+    name: jax.make_array_from_process_local_data(sharding, np.asarray(value))
+    for name, value in local.items()
   }
 
 
@@ -415,10 +414,10 @@ class TrainIterator:
   """
 
   def __init__(
-      self,
-      make_dataset: Callable[[], tf.data.Dataset],
-      sharding: Sharding,
-      checkpoint_mode: str = "iterator",
+    self,
+    make_dataset: Callable[[], tf.data.Dataset],
+    sharding: Sharding,
+    checkpoint_mode: str = "iterator",
   ):
     """Wraps an (endless, deterministic) per-host dataset.
 
@@ -432,7 +431,7 @@ class TrainIterator:
     """
     if checkpoint_mode not in CHECKPOINT_MODES:
       raise ValueError(
-          f"checkpoint_mode must be one of {CHECKPOINT_MODES}, got {checkpoint_mode!r}"
+        f"checkpoint_mode must be one of {CHECKPOINT_MODES}, got {checkpoint_mode!r}"
       )
     self._make_dataset = make_dataset
     self._sharding = sharding
@@ -475,17 +474,13 @@ class TrainIterator:
 
 
 def train_iterator(
-    config: DatasetConfig, sharding: Sharding, checkpoint_mode: str = "iterator"
+  config: DatasetConfig, sharding: Sharding, checkpoint_mode: str = "iterator"
 ) -> TrainIterator:
   """The endless, shuffled training iterator for `config`."""
-  return TrainIterator(
-      lambda: host_dataset(config, num_epochs=None), sharding, checkpoint_mode
-  )
+  return TrainIterator(lambda: host_dataset(config, num_epochs=None), sharding, checkpoint_mode)
 
 
-def eval_batches(
-    config: DatasetConfig, sharding: Sharding, num_batches: int
-) -> Iterator[Batch]:
+def eval_batches(config: DatasetConfig, sharding: Sharding, num_batches: int) -> Iterator[Batch]:
   """Exactly `num_batches` global batches of one pass over `config.split`.
 
   No shuffling, no repetition. A last partial batch is zero-padded, and a

@@ -29,14 +29,15 @@ def fail(message: str) -> NoReturn:
   gin's `In call to configurable ...` notes, which it appends to every error raised
   inside a configurable, are dropped: the message itself names what is wrong.
   """
-  lines = [line for line in message.splitlines()
-           if not line.strip().startswith("In call to configurable")]
+  lines = [
+    line for line in message.splitlines() if not line.strip().startswith("In call to configurable")
+  ]
   print("ERROR: " + "\n".join(lines), file=sys.stderr, flush=True)
   sys.exit(1)
 
 
 def reporting(
-    main: Callable[[Sequence[str]], None], verbose: Callable[[], bool] = lambda: False
+  main: Callable[[Sequence[str]], None], verbose: Callable[[], bool] = lambda: False
 ) -> Callable[[Sequence[str]], None]:
   """`main` with a `UserError` reported by `fail` (and its traceback when `verbose()`).
 

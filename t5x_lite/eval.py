@@ -23,12 +23,12 @@ from t5x_lite import cli, evaluation, train_loop
 
 
 def main(argv: Sequence[str]) -> None:
-    """Parses gin and evaluates; expected failures: one ERROR line (`cli.run`)."""
-    if len(argv) > 1:
-        raise app.UsageError(f"Unexpected arguments: {' '.join(argv[1:])}")
-    cli.setup()
-    evaluation.evaluate_checkpoints(train_loop.build_model)
+  """Parses gin and evaluates; expected failures: one ERROR line (`cli.run`)."""
+  if len(argv) > 1:
+    raise app.UsageError(f"Unexpected arguments: {' '.join(argv[1:])}")
+  cli.setup()
+  evaluation.evaluate_checkpoints(train_loop.build_model)
 
 
 if __name__ == "__main__":
-    cli.run(main)
+  cli.run(main)

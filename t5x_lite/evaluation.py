@@ -58,327 +58,414 @@ INFERENCES_DIR = "inferences"
 
 
 def _jsonable(value: Any) -> Any:
-    """numpy scalars/arrays and bytes -> JSON values."""
-    if isinstance(value, bytes):
-        return value.decode("utf-8", errors="replace")
-    if isinstance(value, np.ndarray):
-        return _jsonable(value.tolist())
-    if isinstance(value, np.generic):
-        return value.item()
-    if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
-    if isinstance(value, dict):
-        return {k: _jsonable(v) for k, v in value.items()}
-    return value
+  """numpy scalars/arrays and bytes -> JSON values."""
+  if isinstance(value, bytes):
+    return value.decode("utf-8", errors="replace")
+  if isinstance(value, np.ndarray):
+    return _jsonable(value.tolist())
+  if isinstance(value, np.generic):
+    return value.item()
+  if isinstance(value, (list, tuple)):
+    return [_jsonable(v) for v in value]
+  if isinstance(value, dict):
+    return {k: _jsonable(v) for k, v in value.items()}
+  return value
 
 
 class PredictionsJsonlLogger(seqio.Logger):
-    """seqio logger writing inputs, targets and predictions to one JSONL file per step."""
+  """seqio logger writing inputs, targets and predictions to one JSONL file per step."""
 
-    def __call__(self, task_name: str, step: int | None, metrics: Mapping[str, Any],
-                 dataset: tf.data.Dataset | None, inferences: Mapping[str, Sequence[Any]] | None,
-                 targets: Sequence[Any] | None) -> None:
-        """Writes `inferences/<task>-step_<step>.jsonl` (process 0; nothing without outputs)."""
-        del metrics
-        if not inferences or dataset is None or jax.process_index() != 0:
-            return
-        directory = os.path.join(self.output_dir, INFERENCES_DIR)
-        os.makedirs(directory, exist_ok=True)
-        path = os.path.join(directory, f"{task_name}-step_{step}.jsonl")
-        columns = {k: v for k, v in inferences.items() if k != "aux_value"}
-        with open(path, "w", encoding="utf-8") as f:
-            for i, example in enumerate(dataset.as_numpy_iterator()):
-                record = {name: _jsonable(example.get(f"{name}_pretokenized", example.get(name)))
-                          for name in ("inputs", "targets") if name in example}
-                if targets is not None:
-                    record["target"] = _jsonable(targets[i])
-                record.update({k: _jsonable(v[i]) for k, v in columns.items()})
-                f.write(json.dumps(record, ensure_ascii=False) + "\n")
+  def __call__(
+    self,
+    task_name: str,
+    step: int | None,
+    metrics: Mapping[str, Any],
+    dataset: tf.data.Dataset | None,
+    inferences: Mapping[str, Sequence[Any]] | None,
+    targets: Sequence[Any] | None,
+  ) -> None:
+    """Writes `inferences/<task>-step_<step>.jsonl` (process 0; nothing without outputs)."""
+    del metrics
+    if not inferences or dataset is None or jax.process_index() != 0:
+      return
+    directory = os.path.join(self.output_dir, INFERENCES_DIR)
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, f"{task_name}-step_{step}.jsonl")
+    columns = {k: v for k, v in inferences.items() if k != "aux_value"}
+    with open(path, "w", encoding="utf-8") as f:
+      for i, example in enumerate(dataset.as_numpy_iterator()):
+        record = {
+          name: _jsonable(example.get(f"{name}_pretokenized", example.get(name)))
+          for name in ("inputs", "targets")
+          if name in example
+        }
+        if targets is not None:
+          record["target"] = _jsonable(targets[i])
+        record.update({k: _jsonable(v[i]) for k, v in columns.items()})
+        f.write(json.dumps(record, ensure_ascii=False) + "\n")
 
 
 def _floats(results: Mapping[str, Any]) -> dict[str, float]:
-    """Numeric metric values as floats (seqio Scalars unwrapped; text/images dropped)."""
-    out = {}
-    for name, value in results.items():
-        value = value.value if isinstance(value, seqio.metrics.Scalar) else value
-        if isinstance(value, np.ndarray) and value.ndim == 0:
-            value = value[()]
-        if isinstance(value, (int, float, np.number)):
-            out[name] = float(value)
-    return out
+  """Numeric metric values as floats (seqio Scalars unwrapped; text/images dropped)."""
+  out = {}
+  for name, value in results.items():
+    value = value.value if isinstance(value, seqio.metrics.Scalar) else value
+    if isinstance(value, np.ndarray) and value.ndim == 0:
+      value = value[()]
+    if isinstance(value, (int, float, np.number)):
+      out[name] = float(value)
+  return out
 
 
 class TaskEvaluator:
-    """seqio evaluation of one task/mixture split, plus loss-only tasks; data cached once."""
+  """seqio evaluation of one task/mixture split, plus loss-only tasks; data cached once."""
 
-    def __init__(self, runner: inference.ModelRunner, dataset_cfg: data.DatasetConfig, *,
-                 num_examples: int | None = None, log_dir: str | None = None,
-                 logger_cls: Sequence[type[seqio.Logger]] = ()):
-        """Reads and caches the evaluation data.
+  def __init__(
+    self,
+    runner: inference.ModelRunner,
+    dataset_cfg: data.DatasetConfig,
+    *,
+    num_examples: int | None = None,
+    log_dir: str | None = None,
+    logger_cls: Sequence[type[seqio.Logger]] = (),
+  ):
+    """Reads and caches the evaluation data.
 
-        Args:
-          runner: predicts / scores batches of `dataset_cfg.batch_size` rows.
-          dataset_cfg: mixture_or_task_name, split, task_feature_lengths (None: seqio
-            measures the longest example), batch_size, seed.
-          num_examples: at most this many examples per task (None: all).
-          log_dir: where `logger_cls` write.
-          logger_cls: seqio loggers (TensorBoard, predictions JSONL, ...).
+    Args:
+      runner: predicts / scores batches of `dataset_cfg.batch_size` rows.
+      dataset_cfg: mixture_or_task_name, split, task_feature_lengths (None: seqio
+        measures the longest example), batch_size, seed.
+      num_examples: at most this many examples per task (None: all).
+      log_dir: where `logger_cls` write.
+      logger_cls: seqio loggers (TensorBoard, predictions JSONL, ...).
 
-        Raises:
-          ConfigError: if no task of the mixture has the split.
-        """
-        self.runner, self.cfg, self.num_examples = runner, dataset_cfg, num_examples
-        name, split = dataset_cfg.mixture_or_task_name, dataset_cfg.split
-        lengths = dataset_cfg.task_feature_lengths
-        with data.naming_failing_task(name, split, lengths, dataset_cfg.seed):
-            self.seqio = seqio.Evaluator(
-                name, seqio.EncDecFeatureConverter(pack=False), eval_split=split,
-                sequence_length=lengths, seed=dataset_cfg.seed,
-                num_examples=num_examples, logger_cls=logger_cls, log_dir=log_dir,
-                async_compute_metrics=False)
-        subtasks = seqio.get_subtasks(data.get_mixture_or_task(name))
-        self.loss_tasks = [t for t in subtasks if split in t.splits and not t.metric_objs]
-        if not self.loss_tasks and not self.seqio.eval_tasks:
-            raise ConfigError(f"No task of {name} has a {split!r} split.")
-        for task in self.loss_tasks:
-            logging.warning("Note: task %s has no metric functions; evaluating its loss "
-                            "(mean negative log-likelihood per target token) only.", task.name)
-        self._loss_loggers = tuple(cls(output_dir=log_dir) for cls in logger_cls)
-        self._loss_data = {t.name: self._loss_dataset(t) for t in self.loss_tasks}
+    Raises:
+      ConfigError: if no task of the mixture has the split.
+    """
+    self.runner, self.cfg, self.num_examples = runner, dataset_cfg, num_examples
+    name, split = dataset_cfg.mixture_or_task_name, dataset_cfg.split
+    lengths = dataset_cfg.task_feature_lengths
+    with data.naming_failing_task(name, split, lengths, dataset_cfg.seed):
+      self.seqio = seqio.Evaluator(
+        name,
+        seqio.EncDecFeatureConverter(pack=False),
+        eval_split=split,
+        sequence_length=lengths,
+        seed=dataset_cfg.seed,
+        num_examples=num_examples,
+        logger_cls=logger_cls,
+        log_dir=log_dir,
+        async_compute_metrics=False,
+      )
+    subtasks = seqio.get_subtasks(data.get_mixture_or_task(name))
+    self.loss_tasks = [t for t in subtasks if split in t.splits and not t.metric_objs]
+    if not self.loss_tasks and not self.seqio.eval_tasks:
+      raise ConfigError(f"No task of {name} has a {split!r} split.")
+    for task in self.loss_tasks:
+      logging.warning(
+        "Note: task %s has no metric functions; evaluating its loss "
+        "(mean negative log-likelihood per target token) only.",
+        task.name,
+      )
+    self._loss_loggers = tuple(cls(output_dir=log_dir) for cls in logger_cls)
+    self._loss_data = {t.name: self._loss_dataset(t) for t in self.loss_tasks}
 
-    def _loss_dataset(self, task: seqio.Task) -> tf.data.Dataset:
-        """Model features of a loss-only task, cached in memory."""
-        lengths = self.cfg.task_feature_lengths
-        if lengths is None:
-            raise ConfigError(f"Task {task.name} has no metrics, so it is evaluated by its loss, "
-                              "which needs TASK_FEATURE_LENGTHS (got None).")
-        with data.naming_failing_task(task.name, self.cfg.split, lengths, self.cfg.seed):
-            ds = task.get_dataset(sequence_length=dict(lengths), split=self.cfg.split,
-                                  shuffle=False, num_epochs=1, seed=self.cfg.seed)
-        if self.num_examples is not None:
-            ds = ds.take(self.num_examples)
-        return seqio.EncDecFeatureConverter(pack=False)(ds, dict(lengths)).cache()
+  def _loss_dataset(self, task: seqio.Task) -> tf.data.Dataset:
+    """Model features of a loss-only task, cached in memory."""
+    lengths = self.cfg.task_feature_lengths
+    if lengths is None:
+      raise ConfigError(
+        f"Task {task.name} has no metrics, so it is evaluated by its loss, "
+        "which needs TASK_FEATURE_LENGTHS (got None)."
+      )
+    with data.naming_failing_task(task.name, self.cfg.split, lengths, self.cfg.seed):
+      ds = task.get_dataset(
+        sequence_length=dict(lengths),
+        split=self.cfg.split,
+        shuffle=False,
+        num_epochs=1,
+        seed=self.cfg.seed,
+      )
+    if self.num_examples is not None:
+      ds = ds.take(self.num_examples)
+    return seqio.EncDecFeatureConverter(pack=False)(ds, dict(lengths)).cache()
 
-    def _batches(self, ds: tf.data.Dataset, desc: str):
-        """(indices, numpy features) batches of an enumerated dataset, with a progress bar."""
-        total = int(ds.cardinality().numpy())
-        with tqdm.tqdm(total=total if total >= 0 else None, unit="ex", desc=desc,
-                       file=sys.stderr, disable=jax.process_index() != 0) as bar:
-            for indices, features in ds.batch(self.runner.batch_size).as_numpy_iterator():
-                yield indices, features
-                bar.update(len(indices))
+  def _batches(self, ds: tf.data.Dataset, desc: str):
+    """(indices, numpy features) batches of an enumerated dataset, with a progress bar."""
+    total = int(ds.cardinality().numpy())
+    with tqdm.tqdm(
+      total=total if total >= 0 else None,
+      unit="ex",
+      desc=desc,
+      file=sys.stderr,
+      disable=jax.process_index() != 0,
+    ) as bar:
+      for indices, features in ds.batch(self.runner.batch_size).as_numpy_iterator():
+        yield indices, features
+        bar.update(len(indices))
 
-    def _predict(self, params: PyTree, ds: tf.data.Dataset, with_aux: bool = False):
-        """seqio predict_fn / predict_with_aux_fn."""
-        out, scores, generated, start = [], [], 0, time.perf_counter()
-        for indices, features in self._batches(ds, "predict"):
-            tokens, batch_scores = self.runner.predict(params, features)
-            out += list(zip(indices.tolist(), tokens))
-            scores += batch_scores.tolist()
-            generated += int(np.count_nonzero(tokens))
-        seconds = time.perf_counter() - start
-        logging.info("Predicted %d examples: %.1f examples/s, %.0f generated tokens/s.",
-                     len(out), len(out) / seconds, generated / seconds)
-        return (out, {"scores": scores}) if with_aux else out
+  def _predict(self, params: PyTree, ds: tf.data.Dataset, with_aux: bool = False):
+    """seqio predict_fn / predict_with_aux_fn."""
+    out, scores, generated, start = [], [], 0, time.perf_counter()
+    for indices, features in self._batches(ds, "predict"):
+      tokens, batch_scores = self.runner.predict(params, features)
+      out += list(zip(indices.tolist(), tokens))
+      scores += batch_scores.tolist()
+      generated += int(np.count_nonzero(tokens))
+    seconds = time.perf_counter() - start
+    logging.info(
+      "Predicted %d examples: %.1f examples/s, %.0f generated tokens/s.",
+      len(out),
+      len(out) / seconds,
+      generated / seconds,
+    )
+    return (out, {"scores": scores}) if with_aux else out
 
-    def _score(self, params: PyTree, ds: tf.data.Dataset) -> list[tuple[int, float]]:
-        """seqio score_fn: (index, target log-likelihood) pairs."""
-        out = []
-        for indices, features in self._batches(ds, "score"):
-            out += list(zip(indices.tolist(), self.runner.score(params, features).tolist()))
-        return out
+  def _score(self, params: PyTree, ds: tf.data.Dataset) -> list[tuple[int, float]]:
+    """seqio score_fn: (index, target log-likelihood) pairs."""
+    out = []
+    for indices, features in self._batches(ds, "score"):
+      out += list(zip(indices.tolist(), self.runner.score(params, features).tolist()))
+    return out
 
-    def _loss(self, params: PyTree, task: seqio.Task) -> dict[str, float]:
-        """Mean negative log-likelihood per target token of a loss-only task."""
-        total, tokens, examples = 0.0, 0.0, 0
-        for _, features in self._batches(self._loss_data[task.name].enumerate(), "loss"):
-            total -= float(self.runner.score(params, features).sum())
-            tokens += float((features["decoder_loss_weights"] > 0).sum())
-            examples += len(features["decoder_target_tokens"])
-        if tokens == 0:
-            raise ConfigError(f"Task {task.name} has no target tokens in split {self.cfg.split}.")
-        return {"loss": total / tokens, "num_examples": float(examples)}
+  def _loss(self, params: PyTree, task: seqio.Task) -> dict[str, float]:
+    """Mean negative log-likelihood per target token of a loss-only task."""
+    total, tokens, examples = 0.0, 0.0, 0
+    for _, features in self._batches(self._loss_data[task.name].enumerate(), "loss"):
+      total -= float(self.runner.score(params, features).sum())
+      tokens += float((features["decoder_loss_weights"] > 0).sum())
+      examples += len(features["decoder_target_tokens"])
+    if tokens == 0:
+      raise ConfigError(f"Task {task.name} has no target tokens in split {self.cfg.split}.")
+    return {"loss": total / tokens, "num_examples": float(examples)}
 
-    def evaluate(self, params: PyTree, step: int) -> Metrics:
-        """Evaluates `params`; returns {task: {metric: value}} and calls the loggers."""
-        future, _ = self.seqio.evaluate(
-            compute_metrics=True, step=step,
-            predict_fn=lambda ds, *_: self._predict(params, ds),
-            predict_with_aux_fn=lambda ds, *_: self._predict(params, ds, with_aux=True),
-            score_fn=lambda ds, *_: self._score(params, ds))
-        results = {task: _floats(metrics) for task, metrics in (future.result() or {}).items()}
-        for task in self.loss_tasks:
-            results[task.name] = self._loss(params, task)
-            scalars = {k: seqio.metrics.Scalar(v) for k, v in results[task.name].items()}
-            for logger in self._loss_loggers:
-                logger(task_name=task.name, step=step, metrics=scalars, dataset=None,
-                       inferences=None, targets=None)
-        for task, metrics in results.items():
-            logging.info("step %d %s: %s", step, task,
-                         ", ".join(f"{k} {v:.4g}" for k, v in metrics.items()))
-        return results
+  def evaluate(self, params: PyTree, step: int) -> Metrics:
+    """Evaluates `params`; returns {task: {metric: value}} and calls the loggers."""
+    future, _ = self.seqio.evaluate(
+      compute_metrics=True,
+      step=step,
+      predict_fn=lambda ds, *_: self._predict(params, ds),
+      predict_with_aux_fn=lambda ds, *_: self._predict(params, ds, with_aux=True),
+      score_fn=lambda ds, *_: self._score(params, ds),
+    )
+    results = {task: _floats(metrics) for task, metrics in (future.result() or {}).items()}
+    for task in self.loss_tasks:
+      results[task.name] = self._loss(params, task)
+      scalars = {k: seqio.metrics.Scalar(v) for k, v in results[task.name].items()}
+      for logger in self._loss_loggers:
+        logger(
+          task_name=task.name,
+          step=step,
+          metrics=scalars,
+          dataset=None,
+          inferences=None,
+          targets=None,
+        )
+    for task, metrics in results.items():
+      logging.info(
+        "step %d %s: %s", step, task, ", ".join(f"{k} {v:.4g}" for k, v in metrics.items())
+      )
+    return results
 
 
 # ------------------------------------------------------------------ checkpoints
 
 
-def _run_description(cfg: data.DatasetConfig, num_examples: int | None,
-                     decode: inference.DecodeConfig) -> dict[str, Any]:
-    """What a step's metrics depend on besides the checkpoint (JSON-normalised)."""
-    lengths = cfg.task_feature_lengths
-    run = {"mixture_or_task_name": cfg.mixture_or_task_name, "split": cfg.split,
-           "task_feature_lengths": None if lengths is None else dict(lengths),
-           "num_examples": num_examples, "decode": dataclasses.asdict(decode)}
-    return json.loads(json.dumps(run))
+def _run_description(
+  cfg: data.DatasetConfig, num_examples: int | None, decode: inference.DecodeConfig
+) -> dict[str, Any]:
+  """What a step's metrics depend on besides the checkpoint (JSON-normalised)."""
+  lengths = cfg.task_feature_lengths
+  run = {
+    "mixture_or_task_name": cfg.mixture_or_task_name,
+    "split": cfg.split,
+    "task_feature_lengths": None if lengths is None else dict(lengths),
+    "num_examples": num_examples,
+    "decode": dataclasses.asdict(decode),
+  }
+  return json.loads(json.dumps(run))
 
 
-def _pending_steps(steps: Sequence[tuple[int, Any]], output_dir: str,
-                   run: Mapping[str, Any]) -> list[tuple[int, Any]]:
-    """Steps without a metrics file; raises if a file was written by a different run."""
-    pending = []
-    for step, step_dir in steps:
-        path = os.path.join(output_dir, STEP_FILE.format(step=step))
-        if not os.path.exists(path):
-            pending.append((step, step_dir))
-            continue
-        with open(path, encoding="utf-8") as f:
-            previous = json.load(f).get("run")
-        if previous != run:
-            changed = sorted(k for k in set(run) | set(previous or {})
-                             if (previous or {}).get(k) != run.get(k))
-            raise ConfigError(f"{path} was written by a different evaluation (differs in "
-                              f"{changed}); use another EVAL_OUTPUT_DIR.")
-        logging.info("Step %d already evaluated (%s); skipping.", step, path)
-    return pending
-
-
-def _write_step(output_dir: str, step: int, step_dir: Any, run: Mapping[str, Any],
-                metrics: Metrics, seconds: float) -> str:
-    """Writes metrics_step_<step>.json atomically; returns its path."""
+def _pending_steps(
+  steps: Sequence[tuple[int, Any]], output_dir: str, run: Mapping[str, Any]
+) -> list[tuple[int, Any]]:
+  """Steps without a metrics file; raises if a file was written by a different run."""
+  pending = []
+  for step, step_dir in steps:
     path = os.path.join(output_dir, STEP_FILE.format(step=step))
-    record = {"step": step, "checkpoint": os.fspath(step_dir), "run": run, "metrics": metrics,
-              "seconds": seconds}
-    with open(path + ".tmp", "w", encoding="utf-8") as f:
-        json.dump(record, f, indent=1, sort_keys=True)
-    os.replace(path + ".tmp", path)
-    return path
+    if not os.path.exists(path):
+      pending.append((step, step_dir))
+      continue
+    with open(path, encoding="utf-8") as f:
+      previous = json.load(f).get("run")
+    if previous != run:
+      changed = sorted(
+        k for k in set(run) | set(previous or {}) if (previous or {}).get(k) != run.get(k)
+      )
+      raise ConfigError(
+        f"{path} was written by a different evaluation (differs in "
+        f"{changed}); use another EVAL_OUTPUT_DIR."
+      )
+    logging.info("Step %d already evaluated (%s); skipping.", step, path)
+  return pending
+
+
+def _write_step(
+  output_dir: str,
+  step: int,
+  step_dir: Any,
+  run: Mapping[str, Any],
+  metrics: Metrics,
+  seconds: float,
+) -> str:
+  """Writes metrics_step_<step>.json atomically; returns its path."""
+  path = os.path.join(output_dir, STEP_FILE.format(step=step))
+  record = {
+    "step": step,
+    "checkpoint": os.fspath(step_dir),
+    "run": run,
+    "metrics": metrics,
+    "seconds": seconds,
+  }
+  with open(path + ".tmp", "w", encoding="utf-8") as f:
+    json.dump(record, f, indent=1, sort_keys=True)
+  os.replace(path + ".tmp", path)
+  return path
 
 
 @gin.configurable(denylist=["build_model"])
 def evaluate_checkpoints(
-    build_model: Callable[[network.T5Config], models.EncoderDecoderModel],
-    *,
-    checkpoint_path: str = gin.REQUIRED,
-    output_dir: str = gin.REQUIRED,
-    dataset_cfg: data.DatasetConfig = gin.REQUIRED,
-    decode: inference.DecodeConfig,
-    num_examples: int | None,
+  build_model: Callable[[network.T5Config], models.EncoderDecoderModel],
+  *,
+  checkpoint_path: str = gin.REQUIRED,
+  output_dir: str = gin.REQUIRED,
+  dataset_cfg: data.DatasetConfig = gin.REQUIRED,
+  decode: inference.DecodeConfig,
+  num_examples: int | None,
 ) -> dict[int, Metrics]:
-    """Evaluates every not yet evaluated checkpoint step (see the module docstring).
+  """Evaluates every not yet evaluated checkpoint step (see the module docstring).
 
-    Args:
-      build_model: T5Config -> model (the entry point passes `train_loop.build_model`);
-        the config is the checkpoint's, overridden by `T5Config.*` gin bindings.
-      checkpoint_path: one step directory, or a checkpoint root (MODEL_DIR): all its
-        intact steps.
-      output_dir: EVAL_OUTPUT_DIR.
-      dataset_cfg: task/mixture, split, task_feature_lengths, batch_size, seed.
-      decode: decoding options for prediction metrics.
-      num_examples: at most this many examples per task (None: the whole split).
+  Args:
+    build_model: T5Config -> model (the entry point passes `train_loop.build_model`);
+      the config is the checkpoint's, overridden by `T5Config.*` gin bindings.
+    checkpoint_path: one step directory, or a checkpoint root (MODEL_DIR): all its
+      intact steps.
+    output_dir: EVAL_OUTPUT_DIR.
+    dataset_cfg: task/mixture, split, task_feature_lengths, batch_size, seed.
+    decode: decoding options for prediction metrics.
+    num_examples: at most this many examples per task (None: the whole split).
 
-    Returns:
-      {step: {task: {metric: value}}} of the steps evaluated by this call.
+  Returns:
+    {step: {task: {metric: value}}} of the steps evaluated by this call.
 
-    Raises:
-      CheckpointNotFoundError: naming a checkpoint path that does not exist or holds none.
-      CorruptCheckpointError: the step directory given, or every step to evaluate of a
-        MODEL_DIR, is corrupt.
-      ConfigError: EVAL_OUTPUT_DIR is a file, or holds results of a different evaluation.
-    """
-    if problem := not_a_directory("EVAL_OUTPUT_DIR", output_dir):
-        raise ConfigError(problem)
-    output_dir = os.fspath(absolute_path(output_dir))
-    steps = inference.checkpoint_steps(checkpoint_path)
-    run = _run_description(dataset_cfg, num_examples, decode)
-    pending = _pending_steps(steps, output_dir, run)
-    if not pending:
-        logging.info("All %d checkpoint steps of %s are already evaluated in %s.", len(steps),
-                      checkpoint_path, output_dir)
-        return {}
-    if checkpoints.is_step_dir(checkpoint_path):
-        verify_files(pending[0][1])
-    else:
-        pending = intact_steps(absolute_path(checkpoint_path), pending)
-    os.makedirs(output_dir, exist_ok=True)
-    model = build_model(inference.network_config(pending[-1][1]))
-    mesh, rules = inference.mesh_and_rules()
-    abstract, shardings = inference.abstract_params(model, mesh, rules)
-    runner = inference.ModelRunner(model, mesh, rules, shardings, decode, dataset_cfg.batch_size)
-    loggers = (seqio.TensorBoardLogger, PredictionsJsonlLogger)
-    evaluator = TaskEvaluator(runner, dataset_cfg, num_examples=num_examples, log_dir=output_dir,
-                              logger_cls=loggers if jax.process_index() == 0 else ())
-    evaluated = {}
-    for step, step_dir in pending:
-        start = time.perf_counter()
-        params = checkpoints.restore_params(step_dir, abstract,
-                                            verify_checksums=False)  # verified above
-        evaluated[step] = evaluator.evaluate(params, step)
-        if jax.process_index() == 0:
-            path = _write_step(output_dir, step, step_dir, run, evaluated[step],
-                               time.perf_counter() - start)
-            logging.info("Wrote %s", path)
-    return evaluated
+  Raises:
+    CheckpointNotFoundError: naming a checkpoint path that does not exist or holds none.
+    CorruptCheckpointError: the step directory given, or every step to evaluate of a
+      MODEL_DIR, is corrupt.
+    ConfigError: EVAL_OUTPUT_DIR is a file, or holds results of a different evaluation.
+  """
+  if problem := not_a_directory("EVAL_OUTPUT_DIR", output_dir):
+    raise ConfigError(problem)
+  output_dir = os.fspath(absolute_path(output_dir))
+  steps = inference.checkpoint_steps(checkpoint_path)
+  run = _run_description(dataset_cfg, num_examples, decode)
+  pending = _pending_steps(steps, output_dir, run)
+  if not pending:
+    logging.info(
+      "All %d checkpoint steps of %s are already evaluated in %s.",
+      len(steps),
+      checkpoint_path,
+      output_dir,
+    )
+    return {}
+  if checkpoints.is_step_dir(checkpoint_path):
+    verify_files(pending[0][1])
+  else:
+    pending = intact_steps(absolute_path(checkpoint_path), pending)
+  os.makedirs(output_dir, exist_ok=True)
+  model = build_model(inference.network_config(pending[-1][1]))
+  mesh, rules = inference.mesh_and_rules()
+  abstract, shardings = inference.abstract_params(model, mesh, rules)
+  runner = inference.ModelRunner(model, mesh, rules, shardings, decode, dataset_cfg.batch_size)
+  loggers = (seqio.TensorBoardLogger, PredictionsJsonlLogger)
+  evaluator = TaskEvaluator(
+    runner,
+    dataset_cfg,
+    num_examples=num_examples,
+    log_dir=output_dir,
+    logger_cls=loggers if jax.process_index() == 0 else (),
+  )
+  evaluated = {}
+  for step, step_dir in pending:
+    start = time.perf_counter()
+    params = checkpoints.restore_params(
+      step_dir, abstract, verify_checksums=False
+    )  # verified above
+    evaluated[step] = evaluator.evaluate(params, step)
+    if jax.process_index() == 0:
+      path = _write_step(
+        output_dir, step, step_dir, run, evaluated[step], time.perf_counter() - start
+      )
+      logging.info("Wrote %s", path)
+  return evaluated
 
 
 # ------------------------------------------------------------------ during training
 
 
-@gin.configurable(denylist=["model", "mesh", "rules", "param_shardings", "eval_dataset_cfg",
-                            "model_dir"])
+@gin.configurable(
+  denylist=["model", "mesh", "rules", "param_shardings", "eval_dataset_cfg", "model_dir"]
+)
 def training_evaluator(
-    model: models.EncoderDecoderModel,
-    mesh: jax.sharding.Mesh,
-    rules: partitioning.LogicalRules,
-    param_shardings: PyTree,
-    eval_dataset_cfg: data.DatasetConfig | None,
-    model_dir: str,
-    *,
-    dataset_cfg: data.DatasetConfig | None = None,
-    decode: inference.DecodeConfig | None = None,
-    num_examples: int | None = None,
+  model: models.EncoderDecoderModel,
+  mesh: jax.sharding.Mesh,
+  rules: partitioning.LogicalRules,
+  param_shardings: PyTree,
+  eval_dataset_cfg: data.DatasetConfig | None,
+  model_dir: str,
+  *,
+  dataset_cfg: data.DatasetConfig | None = None,
+  decode: inference.DecodeConfig | None = None,
+  num_examples: int | None = None,
 ) -> Callable[[PyTree, int], dict[str, float]]:
-    """seqio evaluation for the train loop, data read and cached once.
+  """seqio evaluation for the train loop, data read and cached once.
 
-    Args:
-      model: the model being trained.
-      mesh: the training mesh.
-      rules: logical-axis rules.
-      param_shardings: shardings of the training state's params.
-      eval_dataset_cfg: the loop's eval data (the mixture's validation split); used
-        unshuffled and unpacked unless `dataset_cfg` is given.
-      model_dir: MODEL_DIR; inferences go to MODEL_DIR/inference_eval/.
-      dataset_cfg: gin override of the evaluated data.
-      decode: decoding options (default `DecodeConfig()`, gin-configured).
-      num_examples: at most this many examples per task (gin; None: whole split).
+  Args:
+    model: the model being trained.
+    mesh: the training mesh.
+    rules: logical-axis rules.
+    param_shardings: shardings of the training state's params.
+    eval_dataset_cfg: the loop's eval data (the mixture's validation split); used
+      unshuffled and unpacked unless `dataset_cfg` is given.
+    model_dir: MODEL_DIR; inferences go to MODEL_DIR/inference_eval/.
+    dataset_cfg: gin override of the evaluated data.
+    decode: decoding options (default `DecodeConfig()`, gin-configured).
+    num_examples: at most this many examples per task (gin; None: whole split).
 
-    Returns:
-      fn(params, step) -> {"<task>/<metric>": value}.
+  Returns:
+    fn(params, step) -> {"<task>/<metric>": value}.
 
-    Raises:
-      ConfigError: without any data to evaluate.
-    """
-    if dataset_cfg is None and eval_dataset_cfg is None:
-        raise ConfigError("train.infer_eval_period needs train.eval_dataset_cfg or "
-                          "training_evaluator.dataset_cfg.")
-    cfg = dataset_cfg or dataclasses.replace(eval_dataset_cfg, shuffle=False, pack=False)
-    runner = inference.ModelRunner(model, mesh, rules, param_shardings,
-                                   decode or inference.DecodeConfig(), cfg.batch_size)
-    evaluator = TaskEvaluator(runner, cfg, num_examples=num_examples,
-                              log_dir=os.path.join(model_dir, "inference_eval"),
-                              logger_cls=(PredictionsJsonlLogger,))
+  Raises:
+    ConfigError: without any data to evaluate.
+  """
+  if dataset_cfg is None and eval_dataset_cfg is None:
+    raise ConfigError(
+      "train.infer_eval_period needs train.eval_dataset_cfg or training_evaluator.dataset_cfg."
+    )
+  cfg = dataset_cfg or dataclasses.replace(eval_dataset_cfg, shuffle=False, pack=False)
+  runner = inference.ModelRunner(
+    model, mesh, rules, param_shardings, decode or inference.DecodeConfig(), cfg.batch_size
+  )
+  evaluator = TaskEvaluator(
+    runner,
+    cfg,
+    num_examples=num_examples,
+    log_dir=os.path.join(model_dir, "inference_eval"),
+    logger_cls=(PredictionsJsonlLogger,),
+  )
 
-    def run(params: PyTree, step: int) -> dict[str, float]:
-        results = evaluator.evaluate(params, step)
-        return {f"{task}/{k}": v for task, metrics in results.items() for k, v in metrics.items()}
+  def run(params: PyTree, step: int) -> dict[str, float]:
+    results = evaluator.evaluate(params, step)
+    return {f"{task}/{k}": v for task, metrics in results.items() for k, v in metrics.items()}
 
-    return run
+  return run

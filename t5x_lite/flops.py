@@ -46,13 +46,17 @@ def forward_flops(config: T5Config, input_length: int, target_length: int) -> fl
     FLOPs (see the module docstring for the formula).
   """
   encoder_layer = _attention_flops(config, input_length, input_length) + _mlp_flops(
-      config, input_length)
-  decoder_layer = (_attention_flops(config, target_length, target_length)
-                   + _attention_flops(config, target_length, input_length)
-                   + _mlp_flops(config, target_length))
+    config, input_length
+  )
+  decoder_layer = (
+    _attention_flops(config, target_length, target_length)
+    + _attention_flops(config, target_length, input_length)
+    + _mlp_flops(config, target_length)
+  )
   logits = 2.0 * target_length * config.emb_dim * config.vocab_size
-  return (config.num_encoder_layers * encoder_layer + config.num_decoder_layers * decoder_layer
-          + logits)
+  return (
+    config.num_encoder_layers * encoder_layer + config.num_decoder_layers * decoder_layer + logits
+  )
 
 
 def flops_per_token(config: T5Config, input_length: int, target_length: int) -> float:

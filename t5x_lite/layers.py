@@ -68,10 +68,10 @@ class Projection(nn.Module):
   def __call__(self, inputs: Array) -> Array:
     """Applies the projection to `inputs`."""
     kernel = self.param(
-        'kernel',
-        nn.with_logical_partitioning(self.kernel_init, self.kernel_axes),
-        self.kernel_shape,
-        self.param_dtype,
+      'kernel',
+      nn.with_logical_partitioning(self.kernel_init, self.kernel_axes),
+      self.kernel_shape,
+      self.param_dtype,
     )
     inputs = jnp.asarray(inputs, self.dtype)
     kernel = jnp.asarray(kernel, self.dtype)
@@ -95,10 +95,10 @@ class Embed(nn.Module):
 
   def setup(self):
     self.embedding = self.param(
-        'embedding',
-        nn.with_logical_partitioning(nn.initializers.normal(stddev=1.0), ('vocab', 'embed')),
-        (self.num_embeddings, self.features),
-        self.param_dtype,
+      'embedding',
+      nn.with_logical_partitioning(nn.initializers.normal(stddev=1.0), ('vocab', 'embed')),
+      (self.num_embeddings, self.features),
+      self.param_dtype,
     )
 
   def __call__(self, inputs: Array) -> Array:
@@ -140,18 +140,18 @@ class RMSNorm(nn.Module):
     mean_square = jnp.mean(jnp.square(x), axis=-1, keepdims=True)  # [..., 1]
     y = x * jax.lax.rsqrt(mean_square + self.epsilon)
     scale = self.param(
-        'scale',
-        nn.with_logical_partitioning(nn.initializers.ones, ('embed',)),
-        (features,),
-        self.param_dtype,
+      'scale',
+      nn.with_logical_partitioning(nn.initializers.ones, ('embed',)),
+      (features,),
+      self.param_dtype,
     )
     return (y * jnp.asarray(scale, jnp.float32)).astype(self.dtype)
 
 
 _ACTIVATIONS: dict[str, Callable[[Array], Array]] = {
-    'relu': nn.relu,
-    'gelu': lambda x: nn.gelu(x, approximate=True),
-    'linear': lambda x: x,
+  'relu': nn.relu,
+  'gelu': lambda x: nn.gelu(x, approximate=True),
+  'linear': lambda x: x,
 }
 
 
@@ -183,20 +183,34 @@ class MlpBlock(nn.Module):
     for idx, name in enumerate(self.activations):
       proj_name = 'wi' if len(self.activations) == 1 else f'wi_{idx}'
       # [batch, length, embed] -> [batch, length, mlp]
-      h = Projection((emb_dim, self.mlp_dim), '...e,em->...m', ('embed', 'mlp'),
-                     dtype=self.dtype, param_dtype=self.param_dtype, name=proj_name)(inputs)
+      h = Projection(
+        (emb_dim, self.mlp_dim),
+        '...e,em->...m',
+        ('embed', 'mlp'),
+        dtype=self.dtype,
+        param_dtype=self.param_dtype,
+        name=proj_name,
+      )(inputs)
       h = _ACTIVATIONS[name](h)
       hidden = h if hidden is None else hidden * h
     hidden = nn.Dropout(rate=self.dropout_rate, broadcast_dims=(-2,))(
-        hidden, deterministic=deterministic)
+      hidden, deterministic=deterministic
+    )
     hidden = nn.with_logical_constraint(hidden, ('batch', 'length', 'mlp'))
     # [batch, length, mlp] -> [batch, length, embed]
-    return Projection((self.mlp_dim, emb_dim), '...m,me->...e', ('mlp', 'embed'),
-                      dtype=self.dtype, param_dtype=self.param_dtype, name='wo')(hidden)
+    return Projection(
+      (self.mlp_dim, emb_dim),
+      '...m,me->...e',
+      ('mlp', 'embed'),
+      dtype=self.dtype,
+      param_dtype=self.param_dtype,
+      name='wo',
+    )(hidden)
 
 
-def relative_position_bucket(relative_position: Array, bidirectional: bool,
-                             num_buckets: int = 32, max_distance: int = 128) -> Array:
+def relative_position_bucket(
+  relative_position: Array, bidirectional: bool, num_buckets: int = 32, max_distance: int = 128
+) -> Array:
   """T5's bucketing of relative positions (key_position - query_position).
 
   With n = query - key: bidirectional uses half the buckets per direction and
@@ -251,20 +265,23 @@ class RelativePositionBiases(nn.Module):
   def __call__(self, relative_position: Array, bidirectional: bool) -> Array:
     """Bias for relative positions [batch|1, q, k] (key - query) -> [batch|1, heads, q, k]."""
     table = self.param(
-        'rel_embedding',
-        nn.with_logical_partitioning(nn.initializers.variance_scaling(1.0, 'fan_avg', 'uniform'),
-                                     ('heads', 'relpos_buckets')),
-        (self.num_heads, self.num_buckets),
-        self.param_dtype,
+      'rel_embedding',
+      nn.with_logical_partitioning(
+        nn.initializers.variance_scaling(1.0, 'fan_avg', 'uniform'), ('heads', 'relpos_buckets')
+      ),
+      (self.num_heads, self.num_buckets),
+      self.param_dtype,
     )
-    bucket = relative_position_bucket(relative_position, bidirectional,
-                                      self.num_buckets, self.max_distance)
+    bucket = relative_position_bucket(
+      relative_position, bidirectional, self.num_buckets, self.max_distance
+    )
     values = jnp.take(jnp.asarray(table, self.dtype), bucket, axis=1)  # [heads, batch|1, q, k]
     return jnp.moveaxis(values, 0, 1)  # [batch|1, heads, q, k]
 
 
-def relative_positions(length_q: int, length_k: int, positions_q: Array | None = None,
-                       positions_k: Array | None = None) -> Array:
+def relative_positions(
+  length_q: int, length_k: int, positions_q: Array | None = None, positions_k: Array | None = None
+) -> Array:
   """key_position - query_position as [batch|1, q, k] int32.
 
   Without positions, uses 0..length-1 (shape [1, q, k]); with packing positions
@@ -276,8 +293,9 @@ def relative_positions(length_q: int, length_k: int, positions_q: Array | None =
   return positions_k[:, None, :] - positions_q[:, :, None]  # [batch|1, q, k]
 
 
-def make_attention_mask(query_input: Array, key_input: Array,
-                        pairwise_fn: Callable[[Array, Array], Array] = jnp.multiply) -> Array:
+def make_attention_mask(
+  query_input: Array, key_input: Array, pairwise_fn: Callable[[Array, Array], Array] = jnp.multiply
+) -> Array:
   """Pairwise mask [batch, 1, q, k] from per-position inputs [batch, q] and [batch, k]."""
   mask = pairwise_fn(query_input[:, :, None], key_input[:, None, :])  # [batch, q, k]
   return mask[:, None].astype(jnp.bool_)  # [batch, 1, q, k]
@@ -323,10 +341,17 @@ def causal_step_bias(distance_bias: Array, position: Array, length: int) -> Arra
   return jnp.where(key_positions <= position, bias, MASK_BIAS)
 
 
-def dot_product_attention(query: Array, key: Array, value: Array, biases: Sequence[Array],
-                          dropout_rate: float, deterministic: bool,
-                          dropout_rng: Array | None, dtype: Dtype,
-                          heads_major_kv: bool = False) -> Array:
+def dot_product_attention(
+  query: Array,
+  key: Array,
+  value: Array,
+  biases: Sequence[Array],
+  dropout_rate: float,
+  deterministic: bool,
+  dropout_rng: Array | None,
+  dtype: Dtype,
+  heads_major_kv: bool = False,
+) -> Array:
   """Unscaled dot-product attention with float32 logits and softmax.
 
   Args:
@@ -391,9 +416,15 @@ class MultiHeadAttention(nn.Module):
   param_dtype: Dtype = jnp.float32
 
   def _in_projection(self, name: str, emb_dim: int, scale: float) -> Projection:
-    return Projection((emb_dim, self.num_heads, self.head_dim), '...e,ehd->...hd',
-                      ('embed', 'heads', 'kv'), attention_kernel_init(scale, 'in'),
-                      dtype=self.dtype, param_dtype=self.param_dtype, name=name)
+    return Projection(
+      (emb_dim, self.num_heads, self.head_dim),
+      '...e,ehd->...hd',
+      ('embed', 'heads', 'kv'),
+      attention_kernel_init(scale, 'in'),
+      dtype=self.dtype,
+      param_dtype=self.param_dtype,
+      name=name,
+    )
 
   def _project_kv(self, inputs_kv: Array) -> tuple[Array, Array]:
     """inputs_kv [batch, k, embed] -> key, value [batch, k, heads, kv]."""
@@ -413,8 +444,7 @@ class MultiHeadAttention(nn.Module):
     if self.cross_attention:
       # [batch, k, heads, kv] -> [batch, heads, k, kv]
       self.variable('cache', 'cached_key', lambda: jnp.swapaxes(key, 1, 2).astype(self.dtype))
-      self.variable('cache', 'cached_value',
-                    lambda: jnp.swapaxes(value, 1, 2).astype(self.dtype))
+      self.variable('cache', 'cached_value', lambda: jnp.swapaxes(value, 1, 2).astype(self.dtype))
       return
     batch, length = key.shape[:2]
     length = length if cache_length is None else cache_length
@@ -442,10 +472,18 @@ class MultiHeadAttention(nn.Module):
     return key, value
 
   @nn.compact
-  def __call__(self, inputs_q: Array, inputs_kv: Array, mask_bias: Array | None = None,
-               position_bias: Array | None = None, *, deterministic: bool = True,
-               decode: bool = False, decode_position: Array | None = None,
-               cache_length: int | None = None) -> Array:
+  def __call__(
+    self,
+    inputs_q: Array,
+    inputs_kv: Array,
+    mask_bias: Array | None = None,
+    position_bias: Array | None = None,
+    *,
+    deterministic: bool = True,
+    decode: bool = False,
+    decode_position: Array | None = None,
+    cache_length: int | None = None,
+  ) -> Array:
     """Attends from inputs_q [batch, q, embed] to inputs_kv [batch, k, embed].
 
     Args:
@@ -482,10 +520,24 @@ class MultiHeadAttention(nn.Module):
     dropout_rng = None
     if not deterministic and self.dropout_rate > 0.0:
       dropout_rng = self.make_rng('dropout')
-    out = dot_product_attention(query, key, value, [b for b in biases if b is not None],
-                                self.dropout_rate, deterministic, dropout_rng, self.dtype,
-                                heads_major_kv=step)
+    out = dot_product_attention(
+      query,
+      key,
+      value,
+      [b for b in biases if b is not None],
+      self.dropout_rate,
+      deterministic,
+      dropout_rng,
+      self.dtype,
+      heads_major_kv=step,
+    )
     # [batch, q, heads, kv] -> [batch, q, embed]
-    return Projection((self.num_heads, self.head_dim, emb_dim), '...hd,hde->...e',
-                      ('heads', 'kv', 'embed'), attention_kernel_init(1.0, 'out'),
-                      dtype=self.dtype, param_dtype=self.param_dtype, name='out')(out)
+    return Projection(
+      (self.num_heads, self.head_dim, emb_dim),
+      '...hd,hde->...e',
+      ('heads', 'kv', 'embed'),
+      attention_kernel_init(1.0, 'out'),
+      dtype=self.dtype,
+      param_dtype=self.param_dtype,
+      name='out',
+    )(out)

@@ -24,269 +24,269 @@ import numpy as np
 
 LossNormalizingFactor = Union[None, float, int, str]
 SPECIAL_LOSS_NORMALIZING_FACTORS = (
-    "NUM_REAL_TARGET_TOKENS",
-    "NUM_TOTAL_TARGET_TOKENS",
-    "AVERAGE_PER_SEQUENCE",
+  "NUM_REAL_TARGET_TOKENS",
+  "NUM_TOTAL_TARGET_TOKENS",
+  "AVERAGE_PER_SEQUENCE",
 )
 
 
 @jax.custom_vjp
 def cross_entropy_with_logits(
-    logits: jax.Array, targets: jax.Array, z_loss: float
+  logits: jax.Array, targets: jax.Array, z_loss: float
 ) -> tuple[jax.Array, jax.Array]:
-    """Cross-entropy against soft targets plus the z-loss `z_loss * log(Z)**2`.
+  """Cross-entropy against soft targets plus the z-loss `z_loss * log(Z)**2`.
 
-    Args:
-      logits: [..., vocab] unnormalised log-probabilities.
-      targets: [..., vocab] target distribution (rows sum to 1).
-      z_loss: coefficient of the squared log-partition-function penalty.
+  Args:
+    logits: [..., vocab] unnormalised log-probabilities.
+    targets: [..., vocab] target distribution (rows sum to 1).
+    z_loss: coefficient of the squared log-partition-function penalty.
 
-    Returns:
-      (loss, z_loss_term), both [...]; `loss` already includes `z_loss_term`.
-    """
-    log_z = jax.nn.logsumexp(logits, axis=-1)  # [...]
-    log_softmax = logits - log_z[..., None]  # [..., vocab]
-    total_z_loss = z_loss * jnp.square(log_z)
-    loss = -jnp.sum(targets * log_softmax, axis=-1) + total_z_loss
-    return loss, total_z_loss
+  Returns:
+    (loss, z_loss_term), both [...]; `loss` already includes `z_loss_term`.
+  """
+  log_z = jax.nn.logsumexp(logits, axis=-1)  # [...]
+  log_softmax = logits - log_z[..., None]  # [..., vocab]
+  total_z_loss = z_loss * jnp.square(log_z)
+  loss = -jnp.sum(targets * log_softmax, axis=-1) + total_z_loss
+  return loss, total_z_loss
 
 
 def _cross_entropy_fwd(logits, targets, z_loss):
-    max_logit = jnp.max(logits, axis=-1, keepdims=True)  # [..., 1]
-    exp_shifted = jnp.exp(logits - max_logit)  # [..., vocab]
-    sum_exp = jnp.sum(exp_shifted, axis=-1, keepdims=True)  # [..., 1]
-    log_softmax = logits - max_logit - jnp.log(sum_exp)  # [..., vocab]
-    log_z = jnp.squeeze(jnp.log(sum_exp) + max_logit, axis=-1)  # [...]
-    total_z_loss = z_loss * jnp.square(log_z)
-    loss = -jnp.sum(targets * log_softmax, axis=-1) + total_z_loss
-    residuals = (targets, z_loss, exp_shifted, sum_exp, log_softmax, log_z)
-    return (loss, total_z_loss), residuals
+  max_logit = jnp.max(logits, axis=-1, keepdims=True)  # [..., 1]
+  exp_shifted = jnp.exp(logits - max_logit)  # [..., vocab]
+  sum_exp = jnp.sum(exp_shifted, axis=-1, keepdims=True)  # [..., 1]
+  log_softmax = logits - max_logit - jnp.log(sum_exp)  # [..., vocab]
+  log_z = jnp.squeeze(jnp.log(sum_exp) + max_logit, axis=-1)  # [...]
+  total_z_loss = z_loss * jnp.square(log_z)
+  loss = -jnp.sum(targets * log_softmax, axis=-1) + total_z_loss
+  residuals = (targets, z_loss, exp_shifted, sum_exp, log_softmax, log_z)
+  return (loss, total_z_loss), residuals
 
 
 def _cross_entropy_bwd(residuals, grads):
-    # Only the total loss is differentiated; the z-loss output is for logging.
-    g = grads[0]
-    targets, z_loss, exp_shifted, sum_exp, log_softmax, log_z = residuals
-    softmax = exp_shifted / sum_exp  # [..., vocab]
-    # d/dlogits [-sum(t * log_softmax) + z * log_z^2] = softmax * sum(t) - t + 2 z log_z softmax.
-    target_mass = jnp.sum(targets, axis=-1, keepdims=True)  # [..., 1]
-    z_factor = (2.0 * z_loss * log_z)[..., None]  # [..., 1]
-    deriv = (target_mass + z_factor) * softmax - targets  # [..., vocab]
-    g_logits = g[..., None] * deriv
-    g_targets = -g[..., None] * log_softmax
-    return (
-        g_logits.astype(exp_shifted.dtype),
-        g_targets.astype(targets.dtype),
-        jnp.zeros_like(jnp.asarray(z_loss)),
-    )
+  # Only the total loss is differentiated; the z-loss output is for logging.
+  g = grads[0]
+  targets, z_loss, exp_shifted, sum_exp, log_softmax, log_z = residuals
+  softmax = exp_shifted / sum_exp  # [..., vocab]
+  # d/dlogits [-sum(t * log_softmax) + z * log_z^2] = softmax * sum(t) - t + 2 z log_z softmax.
+  target_mass = jnp.sum(targets, axis=-1, keepdims=True)  # [..., 1]
+  z_factor = (2.0 * z_loss * log_z)[..., None]  # [..., 1]
+  deriv = (target_mass + z_factor) * softmax - targets  # [..., vocab]
+  g_logits = g[..., None] * deriv
+  g_targets = -g[..., None] * log_softmax
+  return (
+    g_logits.astype(exp_shifted.dtype),
+    g_targets.astype(targets.dtype),
+    jnp.zeros_like(jnp.asarray(z_loss)),
+  )
 
 
 cross_entropy_with_logits.defvjp(_cross_entropy_fwd, _cross_entropy_bwd)
 
 
 def label_smoothing_constants(
-    vocab_size: int, label_smoothing: float
+  vocab_size: int, label_smoothing: float
 ) -> tuple[float, float, float]:
-    """T5X label-smoothing constants.
+  """T5X label-smoothing constants.
 
-    Args:
-      vocab_size: number of classes.
-      label_smoothing: probability mass moved off the true class.
+  Args:
+    vocab_size: number of classes.
+    label_smoothing: probability mass moved off the true class.
 
-    Returns:
-      (confidence, low_confidence, normalizing_constant) where the normalizing constant
-      is the entropy of the smoothed target distribution (0 without smoothing).
-    """
-    confidence = 1.0 - label_smoothing
-    low_confidence = (1.0 - confidence) / (vocab_size - 1)
-    normalizing_constant = -(
-        confidence * np.log(confidence)
-        + (vocab_size - 1) * low_confidence * np.log(low_confidence + 1e-20)
-    )
-    return confidence, low_confidence, float(normalizing_constant)
+  Returns:
+    (confidence, low_confidence, normalizing_constant) where the normalizing constant
+    is the entropy of the smoothed target distribution (0 without smoothing).
+  """
+  confidence = 1.0 - label_smoothing
+  low_confidence = (1.0 - confidence) / (vocab_size - 1)
+  normalizing_constant = -(
+    confidence * np.log(confidence)
+    + (vocab_size - 1) * low_confidence * np.log(low_confidence + 1e-20)
+  )
+  return confidence, low_confidence, float(normalizing_constant)
 
 
 def compute_weighted_cross_entropy(
-    logits: jax.Array,
-    targets: jax.Array,
-    weights: jax.Array | None = None,
-    label_smoothing: float = 0.0,
-    z_loss: float = 0.0,
-    loss_normalizing_factor: float | jax.Array | None = None,
+  logits: jax.Array,
+  targets: jax.Array,
+  weights: jax.Array | None = None,
+  label_smoothing: float = 0.0,
+  z_loss: float = 0.0,
+  loss_normalizing_factor: float | jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Weighted, label-smoothed cross-entropy with z-loss, summed over tokens.
+  """Weighted, label-smoothed cross-entropy with z-loss, summed over tokens.
 
-    Args:
-      logits: [batch, length, vocab] float logits.
-      targets: [batch, length] int target ids.
-      weights: [batch, length] per-token weights; None weighs every position by 1.
-      label_smoothing: T5X label smoothing amount.
-      z_loss: z-loss coefficient.
-      loss_normalizing_factor: the summed loss is divided by this (None: no division).
+  Args:
+    logits: [batch, length, vocab] float logits.
+    targets: [batch, length] int target ids.
+    weights: [batch, length] per-token weights; None weighs every position by 1.
+    label_smoothing: T5X label smoothing amount.
+    z_loss: z-loss coefficient.
+    loss_normalizing_factor: the summed loss is divided by this (None: no division).
 
-    Returns:
-      (loss, z_loss_sum, weight_sum): scalar loss (including z-loss), scalar z-loss part,
-      and the sum of the weights.
-    """
-    vocab_size = logits.shape[-1]
-    confidence, low_confidence, normalizing_constant = label_smoothing_constants(
-        vocab_size, label_smoothing
-    )
-    soft_targets = jax.nn.one_hot(targets, vocab_size, dtype=logits.dtype)  # [batch, length, vocab]
-    soft_targets = soft_targets * (confidence - low_confidence) + low_confidence
-    total_loss, total_z_loss = cross_entropy_with_logits(logits, soft_targets, z_loss)
-    total_loss = total_loss - normalizing_constant  # [batch, length]
-    if weights is None:
-        weight_sum = jnp.asarray(np.prod(targets.shape), jnp.float32)
-    else:
-        total_loss = total_loss * weights
-        total_z_loss = total_z_loss * weights
-        weight_sum = jnp.sum(weights)
-    if loss_normalizing_factor is not None:
-        total_loss = total_loss / loss_normalizing_factor
-        total_z_loss = total_z_loss / loss_normalizing_factor
-    return jnp.sum(total_loss), jnp.sum(total_z_loss), weight_sum
+  Returns:
+    (loss, z_loss_sum, weight_sum): scalar loss (including z-loss), scalar z-loss part,
+    and the sum of the weights.
+  """
+  vocab_size = logits.shape[-1]
+  confidence, low_confidence, normalizing_constant = label_smoothing_constants(
+    vocab_size, label_smoothing
+  )
+  soft_targets = jax.nn.one_hot(targets, vocab_size, dtype=logits.dtype)  # [batch, length, vocab]
+  soft_targets = soft_targets * (confidence - low_confidence) + low_confidence
+  total_loss, total_z_loss = cross_entropy_with_logits(logits, soft_targets, z_loss)
+  total_loss = total_loss - normalizing_constant  # [batch, length]
+  if weights is None:
+    weight_sum = jnp.asarray(np.prod(targets.shape), jnp.float32)
+  else:
+    total_loss = total_loss * weights
+    total_z_loss = total_z_loss * weights
+    weight_sum = jnp.sum(weights)
+  if loss_normalizing_factor is not None:
+    total_loss = total_loss / loss_normalizing_factor
+    total_z_loss = total_z_loss / loss_normalizing_factor
+  return jnp.sum(total_loss), jnp.sum(total_z_loss), weight_sum
 
 
 def sum_weights_per_segment(segment_ids: jax.Array, weights: jax.Array) -> jax.Array:
-    """For every position, the summed weight of the packed segment it belongs to.
+  """For every position, the summed weight of the packed segment it belongs to.
 
-    Args:
-      segment_ids: [batch, length] int segment ids (0 = padding).
-      weights: [batch, length] token weights.
+  Args:
+    segment_ids: [batch, length] int segment ids (0 = padding).
+    weights: [batch, length] token weights.
 
-    Returns:
-      [batch, length] per-position segment totals (padding positions get the total of
-      segment 0, which callers zero out through their own zero weight).
-    """
-    length = segment_ids.shape[-1]
+  Returns:
+    [batch, length] per-position segment totals (padding positions get the total of
+    segment 0, which callers zero out through their own zero weight).
+  """
+  length = segment_ids.shape[-1]
 
-    def per_row(seg: jax.Array, w: jax.Array) -> jax.Array:
-        totals = jax.ops.segment_sum(w, seg, num_segments=length + 1)  # [length + 1]
-        return totals[seg]  # [length]
+  def per_row(seg: jax.Array, w: jax.Array) -> jax.Array:
+    totals = jax.ops.segment_sum(w, seg, num_segments=length + 1)  # [length + 1]
+    return totals[seg]  # [length]
 
-    return jax.vmap(per_row)(segment_ids.astype(jnp.int32), weights)
+  return jax.vmap(per_row)(segment_ids.astype(jnp.int32), weights)
 
 
 def get_loss_normalizing_factor_and_weights(
-    loss_normalizing_factor: LossNormalizingFactor,
-    batch: Mapping[str, jax.Array],
+  loss_normalizing_factor: LossNormalizingFactor,
+  batch: Mapping[str, jax.Array],
 ) -> tuple[float | jax.Array | None, jax.Array]:
-    """Resolves a normalizing mode into (factor, weights) for one batch (T5X semantics).
+  """Resolves a normalizing mode into (factor, weights) for one batch (T5X semantics).
 
-    Weights are `decoder_loss_weights` when present, else `decoder_target_tokens > 0`.
+  Weights are `decoder_loss_weights` when present, else `decoder_target_tokens > 0`.
 
-    Args:
-      loss_normalizing_factor: None (per-token sum), a number, or one of
-        'NUM_REAL_TARGET_TOKENS' (sum of weights), 'NUM_TOTAL_TARGET_TOKENS' (all target
-        positions), 'AVERAGE_PER_SEQUENCE' (each sequence, or packed segment, averaged
-        over its own tokens, then summed; factor = number of sequences with weight).
-      batch: features with at least `decoder_target_tokens` [batch, length]; with
-        packing also `decoder_segment_ids`.
+  Args:
+    loss_normalizing_factor: None (per-token sum), a number, or one of
+      'NUM_REAL_TARGET_TOKENS' (sum of weights), 'NUM_TOTAL_TARGET_TOKENS' (all target
+      positions), 'AVERAGE_PER_SEQUENCE' (each sequence, or packed segment, averaged
+      over its own tokens, then summed; factor = number of sequences with weight).
+    batch: features with at least `decoder_target_tokens` [batch, length]; with
+      packing also `decoder_segment_ids`.
 
-    Returns:
-      (factor, weights [batch, length] float32); factor is None, a Python number or a
-      scalar array.
+  Returns:
+    (factor, weights [batch, length] float32); factor is None, a Python number or a
+    scalar array.
 
-    Raises:
-      ValueError: for an unknown special mode.
-    """
-    targets = batch["decoder_target_tokens"]
-    weights = batch.get("decoder_loss_weights")
-    if weights is None:
-        weights = targets > 0
-    weights = jnp.asarray(weights, jnp.float32)
-    if loss_normalizing_factor is None or not isinstance(loss_normalizing_factor, str):
-        return loss_normalizing_factor, weights
-    if loss_normalizing_factor == "NUM_REAL_TARGET_TOKENS":
-        return jnp.sum(weights), weights
-    if loss_normalizing_factor == "NUM_TOTAL_TARGET_TOKENS":
-        return float(np.prod(targets.shape)), weights
-    if loss_normalizing_factor == "AVERAGE_PER_SEQUENCE":
-        if "decoder_segment_ids" in batch:
-            norm = sum_weights_per_segment(batch["decoder_segment_ids"], weights)
-        else:
-            norm = jnp.sum(weights, axis=-1, keepdims=True)  # [batch, 1]
-        safe_norm = jnp.where(norm > 0, norm, 1.0)
-        weights = jnp.where(norm > 0, weights / safe_norm, 0.0)
-        return jnp.sum(weights), weights
-    raise ValueError(
-        f"Unknown loss_normalizing_factor {loss_normalizing_factor!r}; expected None, a "
-        f"number or one of {SPECIAL_LOSS_NORMALIZING_FACTORS}."
-    )
+  Raises:
+    ValueError: for an unknown special mode.
+  """
+  targets = batch["decoder_target_tokens"]
+  weights = batch.get("decoder_loss_weights")
+  if weights is None:
+    weights = targets > 0
+  weights = jnp.asarray(weights, jnp.float32)
+  if loss_normalizing_factor is None or not isinstance(loss_normalizing_factor, str):
+    return loss_normalizing_factor, weights
+  if loss_normalizing_factor == "NUM_REAL_TARGET_TOKENS":
+    return jnp.sum(weights), weights
+  if loss_normalizing_factor == "NUM_TOTAL_TARGET_TOKENS":
+    return float(np.prod(targets.shape)), weights
+  if loss_normalizing_factor == "AVERAGE_PER_SEQUENCE":
+    if "decoder_segment_ids" in batch:
+      norm = sum_weights_per_segment(batch["decoder_segment_ids"], weights)
+    else:
+      norm = jnp.sum(weights, axis=-1, keepdims=True)  # [batch, 1]
+    safe_norm = jnp.where(norm > 0, norm, 1.0)
+    weights = jnp.where(norm > 0, weights / safe_norm, 0.0)
+    return jnp.sum(weights), weights
+  raise ValueError(
+    f"Unknown loss_normalizing_factor {loss_normalizing_factor!r}; expected None, a "
+    f"number or one of {SPECIAL_LOSS_NORMALIZING_FACTORS}."
+  )
 
 
 def count_sequences(batch: Mapping[str, jax.Array]) -> jax.Array:
-    """Number of target sequences in a batch, counting every packed segment.
+  """Number of target sequences in a batch, counting every packed segment.
 
-    Args:
-      batch: features with `decoder_target_tokens` and optionally `decoder_segment_ids`.
+  Args:
+    batch: features with `decoder_target_tokens` and optionally `decoder_segment_ids`.
 
-    Returns:
-      Scalar float32 count: rows with any non-padding target when unpacked; the number
-      of segment starts (non-zero id differing from its left neighbour) when packed.
-    """
-    if "decoder_segment_ids" not in batch:
-        return jnp.sum(jnp.any(batch["decoder_target_tokens"] > 0, axis=-1)).astype(jnp.float32)
-    seg = batch["decoder_segment_ids"]
-    previous = jnp.pad(seg[:, :-1], ((0, 0), (1, 0)))  # [batch, length]
-    starts = (seg != 0) & (seg != previous)
-    return jnp.sum(starts).astype(jnp.float32)
+  Returns:
+    Scalar float32 count: rows with any non-padding target when unpacked; the number
+    of segment starts (non-zero id differing from its left neighbour) when packed.
+  """
+  if "decoder_segment_ids" not in batch:
+    return jnp.sum(jnp.any(batch["decoder_target_tokens"] > 0, axis=-1)).astype(jnp.float32)
+  seg = batch["decoder_segment_ids"]
+  previous = jnp.pad(seg[:, :-1], ((0, 0), (1, 0)))  # [batch, length]
+  starts = (seg != 0) & (seg != previous)
+  return jnp.sum(starts).astype(jnp.float32)
 
 
 def metric_sums(
-    logits: jax.Array,
-    batch: Mapping[str, jax.Array],
-    weights: jax.Array,
-    loss: jax.Array,
-    z_loss: jax.Array,
+  logits: jax.Array,
+  batch: Mapping[str, jax.Array],
+  weights: jax.Array,
+  loss: jax.Array,
+  z_loss: jax.Array,
 ) -> dict[str, jax.Array]:
-    """Additive metric statistics for one (micro)batch; see `finalize_metrics`.
+  """Additive metric statistics for one (micro)batch; see `finalize_metrics`.
 
-    Args:
-      logits: [batch, length, vocab] teacher-forced logits.
-      batch: the features (`decoder_target_tokens`, `encoder_input_tokens`, ...).
-      weights: [batch, length] loss weights actually used.
-      loss: scalar normalised loss (including z-loss).
-      z_loss: scalar normalised z-loss part.
+  Args:
+    logits: [batch, length, vocab] teacher-forced logits.
+    batch: the features (`decoder_target_tokens`, `encoder_input_tokens`, ...).
+    weights: [batch, length] loss weights actually used.
+    loss: scalar normalised loss (including z-loss).
+    z_loss: scalar normalised z-loss part.
 
-    Returns:
-      Dict of float32 scalars that can be summed over microbatches.
-    """
-    targets = batch["decoder_target_tokens"]
-    correct = (jnp.argmax(logits, axis=-1) == targets).astype(jnp.float32)  # [batch, length]
-    nonpadding = (targets > 0).astype(jnp.float32)
-    return {
-        "loss": loss,
-        "z_loss": z_loss,
-        "cross_ent_loss": loss - z_loss,
-        "correct_weighted": jnp.sum(correct * (weights > 0)),
-        "num_weighted_tokens": jnp.sum((weights > 0).astype(jnp.float32)),
-        "num_tokens": jnp.sum(nonpadding),
-        "num_target_positions": jnp.asarray(targets.size, jnp.float32),
-        "num_input_tokens": jnp.sum(batch["encoder_input_tokens"] > 0).astype(jnp.float32),
-        "num_sequences": count_sequences(batch),
-    }
+  Returns:
+    Dict of float32 scalars that can be summed over microbatches.
+  """
+  targets = batch["decoder_target_tokens"]
+  correct = (jnp.argmax(logits, axis=-1) == targets).astype(jnp.float32)  # [batch, length]
+  nonpadding = (targets > 0).astype(jnp.float32)
+  return {
+    "loss": loss,
+    "z_loss": z_loss,
+    "cross_ent_loss": loss - z_loss,
+    "correct_weighted": jnp.sum(correct * (weights > 0)),
+    "num_weighted_tokens": jnp.sum((weights > 0).astype(jnp.float32)),
+    "num_tokens": jnp.sum(nonpadding),
+    "num_target_positions": jnp.asarray(targets.size, jnp.float32),
+    "num_input_tokens": jnp.sum(batch["encoder_input_tokens"] > 0).astype(jnp.float32),
+    "num_sequences": count_sequences(batch),
+  }
 
 
 def finalize_metrics(sums: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
-    """Turns summed statistics from `metric_sums` into reported metrics.
+  """Turns summed statistics from `metric_sums` into reported metrics.
 
-    Args:
-      sums: output of `metric_sums`, possibly summed over microbatches.
+  Args:
+    sums: output of `metric_sums`, possibly summed over microbatches.
 
-    Returns:
-      {loss, cross_ent_loss, z_loss, accuracy (over tokens with non-zero weight),
-       nonpadding_fraction (non-padding targets / target positions), num_sequences,
-       num_tokens (non-padding targets), num_input_tokens (non-padding inputs)}.
-    """
-    return {
-        "loss": sums["loss"],
-        "cross_ent_loss": sums["cross_ent_loss"],
-        "z_loss": sums["z_loss"],
-        "accuracy": sums["correct_weighted"] / jnp.maximum(sums["num_weighted_tokens"], 1.0),
-        "nonpadding_fraction": sums["num_tokens"] / jnp.maximum(sums["num_target_positions"], 1.0),
-        "num_sequences": sums["num_sequences"],
-        "num_tokens": sums["num_tokens"],
-        "num_input_tokens": sums["num_input_tokens"],
-    }
+  Returns:
+    {loss, cross_ent_loss, z_loss, accuracy (over tokens with non-zero weight),
+     nonpadding_fraction (non-padding targets / target positions), num_sequences,
+     num_tokens (non-padding targets), num_input_tokens (non-padding inputs)}.
+  """
+  return {
+    "loss": sums["loss"],
+    "cross_ent_loss": sums["cross_ent_loss"],
+    "z_loss": sums["z_loss"],
+    "accuracy": sums["correct_weighted"] / jnp.maximum(sums["num_weighted_tokens"], 1.0),
+    "nonpadding_fraction": sums["num_tokens"] / jnp.maximum(sums["num_target_positions"], 1.0),
+    "num_sequences": sums["num_sequences"],
+    "num_tokens": sums["num_tokens"],
+    "num_input_tokens": sums["num_input_tokens"],
+  }

@@ -40,21 +40,21 @@ def format_duration(seconds: float) -> str:
 
 
 def progress_line(
-    split: str,
-    step: int,
-    total_steps: int,
-    scalars: Mapping[str, float],
-    eta_seconds: float | None,
+  split: str,
+  step: int,
+  total_steps: int,
+  scalars: Mapping[str, float],
+  eta_seconds: float | None,
 ) -> str:
   """One readable console line for a set of metrics."""
   parts = [f"{split} step {step}/{total_steps}"]
   formats = {
-      "loss": "loss {:.4f}",
-      "accuracy": "acc {:.3f}",
-      "learning_rate": "lr {:.2e}",
-      "grad_norm": "|g| {:.3f}",
-      "throughput/tokens_per_sec_per_device": "{:,.0f} tok/s/dev",
-      "throughput/mfu": "MFU {:.1%}",
+    "loss": "loss {:.4f}",
+    "accuracy": "acc {:.3f}",
+    "learning_rate": "lr {:.2e}",
+    "grad_norm": "|g| {:.3f}",
+    "throughput/tokens_per_sec_per_device": "{:,.0f} tok/s/dev",
+    "throughput/mfu": "MFU {:.1%}",
   }
   parts += [fmt.format(scalars[k]) for k, fmt in formats.items() if k in scalars]
   if eta_seconds is not None:
@@ -80,10 +80,10 @@ class MetricsLogger:
     if self._primary:
       os.makedirs(model_dir, exist_ok=True)
       self._writers = {
-          split: metric_writers.AsyncMultiWriter(
-              [metric_writers.SummaryWriter(os.path.join(model_dir, split))]
-          )
-          for split in SPLITS
+        split: metric_writers.AsyncMultiWriter(
+          [metric_writers.SummaryWriter(os.path.join(model_dir, split))]
+        )
+        for split in SPLITS
       }
       self._jsonl = open(os.path.join(model_dir, METRICS_FILE), "a", encoding="utf-8")
 
@@ -108,8 +108,12 @@ class MetricsLogger:
     if split not in SPLITS:
       raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
     scalars = {k: float(v) for k, v in scalars.items()}
-    logging.info("%s", progress_line(split, step, self.total_steps, scalars,
-                                     self._eta(step) if split == "train" else None))
+    logging.info(
+      "%s",
+      progress_line(
+        split, step, self.total_steps, scalars, self._eta(step) if split == "train" else None
+      ),
+    )
     if not self._primary:
       return
     self._writers[split].write_scalars(step, scalars)

@@ -24,44 +24,42 @@ from t5x_lite.errors import ConfigError
 
 @gin.configurable
 def temperature_rate(
-    task: seqio.Task,
-    temperature: float = 2.0,
-    maximum: Optional[int] = None,
-    split: str = "train",
+  task: seqio.Task,
+  temperature: float = 2.0,
+  maximum: Optional[int] = None,
+  split: str = "train",
 ) -> float:
-    """Mixing rate min(num_examples, maximum) ** (1 / temperature).
+  """Mixing rate min(num_examples, maximum) ** (1 / temperature).
 
-    Args:
-      task: the task (seqio passes it).
-      temperature: T; 1.0 is examples-proportional.
-      maximum: cap on the example count before the temperature (None: no cap).
-      split: split whose size is used.
+  Args:
+    task: the task (seqio passes it).
+    temperature: T; 1.0 is examples-proportional.
+    maximum: cap on the example count before the temperature (None: no cap).
+    split: split whose size is used.
 
-    Returns:
-      The unnormalized rate.
+  Returns:
+    The unnormalized rate.
 
-    Raises:
-      ConfigError: if the task's size for `split` is unknown.
-    """
-    if task.num_input_examples(split) is None:
-        raise ConfigError(
-            f"Task '{task.name}' does not know its number of '{split}' examples, which "
-            "temperature mixing needs; give it a fixed rate instead."
-        )
-    return seqio.mixing_rate_num_examples(
-        task, maximum=maximum, temperature=temperature, split=split
+  Raises:
+    ConfigError: if the task's size for `split` is unknown.
+  """
+  if task.num_input_examples(split) is None:
+    raise ConfigError(
+      f"Task '{task.name}' does not know its number of '{split}' examples, which "
+      "temperature mixing needs; give it a fixed rate instead."
     )
+  return seqio.mixing_rate_num_examples(task, maximum=maximum, temperature=temperature, split=split)
 
 
 def normalized_rates(mixture: seqio.Mixture) -> Mapping[str, float]:
-    """Sampling probability of each task of a mixture (sub-mixtures flattened).
+  """Sampling probability of each task of a mixture (sub-mixtures flattened).
 
-    Args:
-      mixture: the mixture (`t5x_lite.data.get_mixture_or_task` looks one up by name).
+  Args:
+    mixture: the mixture (`t5x_lite.data.get_mixture_or_task` looks one up by name).
 
-    Returns:
-      {task name: probability}, summing to 1, in the mixture's task order.
-    """
-    rates = {task.name: float(mixture.get_rate(task)) for task in mixture.tasks}
-    total = sum(rates.values())
-    return {name: rate / total for name, rate in rates.items()}
+  Returns:
+    {task name: probability}, summing to 1, in the mixture's task order.
+  """
+  rates = {task.name: float(mixture.get_rate(task)) for task in mixture.tasks}
+  total = sum(rates.values())
+  return {name: rate / total for name, rate in rates.items()}

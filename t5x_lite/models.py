@@ -26,295 +26,305 @@ _DECODER_PARAM_KEYS = ("temperature", "topk", "topp", "alpha", "max_decode_len",
 
 @gin.configurable
 class EncoderDecoderModel:
-    """T5 encoder-decoder model wrapper (loss, metrics, scoring, decoding).
+  """T5 encoder-decoder model wrapper (loss, metrics, scoring, decoding).
 
-    Attributes:
-      module: the flax `network.Transformer`.
-      input_vocabulary: vocabulary of the inputs.
-      output_vocabulary: vocabulary of the targets (its `eos_id` ends decoding).
-      z_loss: z-loss coefficient.
-      label_smoothing: T5X label smoothing amount.
-      loss_normalizing_factor: None (sum over tokens), a number, or one of
-        `losses.SPECIAL_LOSS_NORMALIZING_FACTORS`.
+  Attributes:
+    module: the flax `network.Transformer`.
+    input_vocabulary: vocabulary of the inputs.
+    output_vocabulary: vocabulary of the targets (its `eos_id` ends decoding).
+    z_loss: z-loss coefficient.
+    label_smoothing: T5X label smoothing amount.
+    loss_normalizing_factor: None (sum over tokens), a number, or one of
+      `losses.SPECIAL_LOSS_NORMALIZING_FACTORS`.
+  """
+
+  def __init__(
+    self,
+    module: nn.Module,
+    input_vocabulary: seqio.Vocabulary,
+    output_vocabulary: seqio.Vocabulary,
+    z_loss: float = 1e-4,
+    label_smoothing: float = 0.0,
+    loss_normalizing_factor: losses.LossNormalizingFactor = None,
+  ):
+    self.module = module
+    self.input_vocabulary = input_vocabulary
+    self.output_vocabulary = output_vocabulary
+    self.z_loss = z_loss
+    self.label_smoothing = label_smoothing
+    self.loss_normalizing_factor = loss_normalizing_factor
+
+  # ------------------------------------------------------------------ init
+
+  def get_initial_variables(
+    self,
+    rng: jax.Array,
+    input_shapes: Mapping[str, tuple[int, ...]],
+    input_types: Mapping[str, jnp.dtype] | None = None,
+  ) -> dict[str, PyTree]:
+    """Initialises the network.
+
+    Args:
+      rng: PRNG key for parameter initialisation.
+      input_shapes: at least `encoder_input_tokens` and `decoder_input_tokens` shapes.
+      input_types: optional dtypes per feature (default int32).
+
+    Returns:
+      {'params': boxed params (flax LogicallyPartitioned leaves)}.
     """
+    input_types = input_types or {}
 
-    def __init__(
-        self,
-        module: nn.Module,
-        input_vocabulary: seqio.Vocabulary,
-        output_vocabulary: seqio.Vocabulary,
-        z_loss: float = 1e-4,
-        label_smoothing: float = 0.0,
-        loss_normalizing_factor: losses.LossNormalizingFactor = None,
-    ):
-        self.module = module
-        self.input_vocabulary = input_vocabulary
-        self.output_vocabulary = output_vocabulary
-        self.z_loss = z_loss
-        self.label_smoothing = label_smoothing
-        self.loss_normalizing_factor = loss_normalizing_factor
+    def ones(name: str) -> jax.Array:
+      return jnp.ones(input_shapes[name], input_types.get(name, jnp.int32))
 
-    # ------------------------------------------------------------------ init
+    variables = self.module.init(
+      {"params": rng, "dropout": rng},
+      ones("encoder_input_tokens"),
+      ones("decoder_input_tokens"),
+      ones("decoder_input_tokens"),
+      enable_dropout=False,
+    )
+    return {"params": variables["params"]}
 
-    def get_initial_variables(
-        self,
-        rng: jax.Array,
-        input_shapes: Mapping[str, tuple[int, ...]],
-        input_types: Mapping[str, jnp.dtype] | None = None,
-    ) -> dict[str, PyTree]:
-        """Initialises the network.
+  # ------------------------------------------------------------------ loss
 
-        Args:
-          rng: PRNG key for parameter initialisation.
-          input_shapes: at least `encoder_input_tokens` and `decoder_input_tokens` shapes.
-          input_types: optional dtypes per feature (default int32).
+  def _logits(self, params: PyTree, batch: Batch, dropout_rng: jax.Array | None) -> jax.Array:
+    """Teacher-forced logits [batch, target_len, vocab]."""
+    rngs = None if dropout_rng is None else {"dropout": dropout_rng}
+    return self.module.apply(
+      {"params": params},
+      batch["encoder_input_tokens"],
+      batch["decoder_input_tokens"],
+      batch["decoder_target_tokens"],
+      encoder_segment_ids=batch.get("encoder_segment_ids"),
+      decoder_segment_ids=batch.get("decoder_segment_ids"),
+      encoder_positions=batch.get("encoder_positions"),
+      decoder_positions=batch.get("decoder_positions"),
+      enable_dropout=dropout_rng is not None,
+      rngs=rngs,
+    )
 
-        Returns:
-          {'params': boxed params (flax LogicallyPartitioned leaves)}.
-        """
-        input_types = input_types or {}
+  def loss_normalization(self, batch: Batch) -> tuple[float | jax.Array, jax.Array]:
+    """The normalizing factor and loss weights of a whole batch.
 
-        def ones(name: str) -> jax.Array:
-            return jnp.ones(input_shapes[name], input_types.get(name, jnp.int32))
+    The trainer calls this once on the full batch and passes the results to every
+    microbatch's `loss_fn`, so accumulated losses and gradients equal the full-batch
+    ones for every normalizing mode.
 
-        variables = self.module.init(
-            {"params": rng, "dropout": rng},
-            ones("encoder_input_tokens"),
-            ones("decoder_input_tokens"),
-            ones("decoder_input_tokens"),
-            enable_dropout=False,
-        )
-        return {"params": variables["params"]}
+    Args:
+      batch: the full batch.
 
-    # ------------------------------------------------------------------ loss
+    Returns:
+      (factor, weights [batch, target_len] float32); factor 1.0 means a plain sum.
+    """
+    factor, weights = losses.get_loss_normalizing_factor_and_weights(
+      self.loss_normalizing_factor, batch
+    )
+    return (1.0 if factor is None else factor), weights
 
-    def _logits(self, params: PyTree, batch: Batch, dropout_rng: jax.Array | None) -> jax.Array:
-        """Teacher-forced logits [batch, target_len, vocab]."""
-        rngs = None if dropout_rng is None else {"dropout": dropout_rng}
-        return self.module.apply(
-            {"params": params},
-            batch["encoder_input_tokens"],
-            batch["decoder_input_tokens"],
-            batch["decoder_target_tokens"],
-            encoder_segment_ids=batch.get("encoder_segment_ids"),
-            decoder_segment_ids=batch.get("decoder_segment_ids"),
-            encoder_positions=batch.get("encoder_positions"),
-            decoder_positions=batch.get("decoder_positions"),
-            enable_dropout=dropout_rng is not None,
-            rngs=rngs,
-        )
+  def loss_fn(
+    self,
+    params: PyTree,
+    batch: Batch,
+    dropout_rng: jax.Array | None,
+    *,
+    normalization: tuple[float | jax.Array, jax.Array] | None = None,
+  ) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Loss and metric statistics of a teacher-forced pass.
 
-    def loss_normalization(self, batch: Batch) -> tuple[float | jax.Array, jax.Array]:
-        """The normalizing factor and loss weights of a whole batch.
+    Args:
+      params: plain (unboxed) or boxed params.
+      batch: EncDecFeatureConverter features.
+      dropout_rng: PRNG key for dropout; None disables dropout.
+      normalization: (factor, weights) from `loss_normalization` of the enclosing full
+        batch (used for microbatches); None computes them from `batch`.
 
-        The trainer calls this once on the full batch and passes the results to every
-        microbatch's `loss_fn`, so accumulated losses and gradients equal the full-batch
-        ones for every normalizing mode.
+    Returns:
+      (loss, metric sums) — `finalize_metrics` turns the sums into metrics.
+    """
+    factor, weights = normalization or self.loss_normalization(batch)
+    logits = self._logits(params, batch, dropout_rng)
+    loss, z_loss, _ = losses.compute_weighted_cross_entropy(
+      logits,
+      batch["decoder_target_tokens"],
+      weights,
+      label_smoothing=self.label_smoothing,
+      z_loss=self.z_loss,
+      loss_normalizing_factor=factor,
+    )
+    return loss, losses.metric_sums(logits, batch, weights, loss, z_loss)
 
-        Args:
-          batch: the full batch.
+  @staticmethod
+  def finalize_metrics(sums: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
+    """Metric sums -> {loss, cross_ent_loss, z_loss, accuracy, nonpadding_fraction,
+    num_sequences, num_tokens, num_input_tokens} (see `losses.finalize_metrics`)."""
+    return losses.finalize_metrics(sums)
 
-        Returns:
-          (factor, weights [batch, target_len] float32); factor 1.0 means a plain sum.
-        """
-        factor, weights = losses.get_loss_normalizing_factor_and_weights(
-            self.loss_normalizing_factor, batch
-        )
-        return (1.0 if factor is None else factor), weights
+  def eval_fn(self, params: PyTree, batch: Batch) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Loss and finalized metrics without dropout.
 
-    def loss_fn(
-        self,
-        params: PyTree,
-        batch: Batch,
-        dropout_rng: jax.Array | None,
-        *,
-        normalization: tuple[float | jax.Array, jax.Array] | None = None,
-    ) -> tuple[jax.Array, dict[str, jax.Array]]:
-        """Loss and metric statistics of a teacher-forced pass.
+    Args:
+      params: model params.
+      batch: EncDecFeatureConverter features.
 
-        Args:
-          params: plain (unboxed) or boxed params.
-          batch: EncDecFeatureConverter features.
-          dropout_rng: PRNG key for dropout; None disables dropout.
-          normalization: (factor, weights) from `loss_normalization` of the enclosing full
-            batch (used for microbatches); None computes them from `batch`.
+    Returns:
+      (loss, metrics) with the metric names of `finalize_metrics`.
+    """
+    loss, sums = self.loss_fn(params, batch, None)
+    return loss, self.finalize_metrics(sums)
 
-        Returns:
-          (loss, metric sums) — `finalize_metrics` turns the sums into metrics.
-        """
-        factor, weights = normalization or self.loss_normalization(batch)
-        logits = self._logits(params, batch, dropout_rng)
-        loss, z_loss, _ = losses.compute_weighted_cross_entropy(
-            logits,
-            batch["decoder_target_tokens"],
-            weights,
-            label_smoothing=self.label_smoothing,
-            z_loss=self.z_loss,
-            loss_normalizing_factor=factor,
-        )
-        return loss, losses.metric_sums(logits, batch, weights, loss, z_loss)
+  def score_batch(self, params: PyTree, batch: Batch) -> jax.Array:
+    """Per-example sum of target log-likelihoods.
 
-    @staticmethod
-    def finalize_metrics(sums: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
-        """Metric sums -> {loss, cross_ent_loss, z_loss, accuracy, nonpadding_fraction,
-        num_sequences, num_tokens, num_input_tokens} (see `losses.finalize_metrics`)."""
-        return losses.finalize_metrics(sums)
+    Tokens are weighted by `decoder_loss_weights` when present, else target > 0.
 
-    def eval_fn(self, params: PyTree, batch: Batch) -> tuple[jax.Array, dict[str, jax.Array]]:
-        """Loss and finalized metrics without dropout.
+    Args:
+      params: model params.
+      batch: EncDecFeatureConverter features.
 
-        Args:
-          params: model params.
-          batch: EncDecFeatureConverter features.
+    Returns:
+      [batch] float32 scores (log-probabilities, <= 0).
+    """
+    logits = self._logits(params, batch, None).astype(jnp.float32)
+    targets = batch["decoder_target_tokens"]
+    weights = batch.get("decoder_loss_weights")
+    weights = targets > 0 if weights is None else weights
+    log_probs = jax.nn.log_softmax(logits, axis=-1)  # [batch, length, vocab]
+    # [batch, length, 1] -> [batch, length]
+    token_scores = jnp.take_along_axis(log_probs, targets[..., None], axis=-1)[..., 0]
+    return jnp.sum(token_scores * weights, axis=-1)
 
-        Returns:
-          (loss, metrics) with the metric names of `finalize_metrics`.
-        """
-        loss, sums = self.loss_fn(params, batch, None)
-        return loss, self.finalize_metrics(sums)
+  # ------------------------------------------------------------ prediction
 
-    def score_batch(self, params: PyTree, batch: Batch) -> jax.Array:
-        """Per-example sum of target log-likelihoods.
+  def _decoding_inputs(
+    self, params: PyTree, batch: Batch, num_decodes: int, max_len: int
+  ) -> tuple[PyTree, decoding.TokensToLogits]:
+    """Encodes once, expands to batch * num_decodes rows, initialises the cache.
 
-        Tokens are weighted by `decoder_loss_weights` when present, else target > 0.
+    Returns:
+      (cache, tokens_to_logits) for `t5x_lite.decoding`.
+    """
+    inputs = batch["encoder_input_tokens"]
+    encoded = self.module.apply(
+      {"params": params},
+      inputs,
+      encoder_segment_ids=batch.get("encoder_segment_ids"),
+      encoder_positions=batch.get("encoder_positions"),
+      enable_dropout=False,
+      method="encode",
+    )  # [batch, input_len, emb]
+    encoded = decoding.flat_batch_beam_expand(encoded, num_decodes)  # [rows, input_len, emb]
+    inputs = decoding.flat_batch_beam_expand(inputs, num_decodes)  # [rows, input_len]
+    rows = inputs.shape[0]
 
-        Args:
-          params: model params.
-          batch: EncDecFeatureConverter features.
+    def decode(variables: PyTree, ids: jax.Array) -> tuple[jax.Array, PyTree]:
+      logits, new_vars = self.module.apply(
+        variables,
+        encoded,
+        inputs,
+        ids,
+        enable_dropout=False,
+        decode=True,
+        max_decode_length=max_len,
+        mutable=["cache"],
+        method="decode",
+      )
+      return logits, new_vars["cache"]
 
-        Returns:
-          [batch] float32 scores (log-probabilities, <= 0).
-        """
-        logits = self._logits(params, batch, None).astype(jnp.float32)
-        targets = batch["decoder_target_tokens"]
-        weights = batch.get("decoder_loss_weights")
-        weights = targets > 0 if weights is None else weights
-        log_probs = jax.nn.log_softmax(logits, axis=-1)  # [batch, length, vocab]
-        # [batch, length, 1] -> [batch, length]
-        token_scores = jnp.take_along_axis(log_probs, targets[..., None], axis=-1)[..., 0]
-        return jnp.sum(token_scores * weights, axis=-1)
+    # The first decode=True apply only creates zeroed caches.
+    _, cache = decode({"params": params}, jnp.ones((rows, max_len), jnp.int32))
 
-    # ------------------------------------------------------------ prediction
+    def tokens_to_logits(ids: jax.Array, step_cache: PyTree) -> tuple[jax.Array, PyTree]:
+      # [rows, 1, vocab]
+      logits, new_cache = decode({"params": params, "cache": step_cache}, ids)
+      return logits[:, 0, :].astype(jnp.float32), new_cache  # [rows, vocab]
 
-    def _decoding_inputs(
-        self, params: PyTree, batch: Batch, num_decodes: int, max_len: int
-    ) -> tuple[PyTree, decoding.TokensToLogits]:
-        """Encodes once, expands to batch * num_decodes rows, initialises the cache.
+    return cache, tokens_to_logits
 
-        Returns:
-          (cache, tokens_to_logits) for `t5x_lite.decoding`.
-        """
-        inputs = batch["encoder_input_tokens"]
-        encoded = self.module.apply(
-            {"params": params},
-            inputs,
-            encoder_segment_ids=batch.get("encoder_segment_ids"),
-            encoder_positions=batch.get("encoder_positions"),
-            enable_dropout=False,
-            method="encode",
-        )  # [batch, input_len, emb]
-        encoded = decoding.flat_batch_beam_expand(encoded, num_decodes)  # [rows, input_len, emb]
-        inputs = decoding.flat_batch_beam_expand(inputs, num_decodes)  # [rows, input_len]
-        rows = inputs.shape[0]
+  def predict_batch_with_aux(
+    self,
+    params: PyTree,
+    batch: Batch,
+    rng: jax.Array | None = None,
+    *,
+    decoder_params: Mapping[str, Any] | None = None,
+    return_all_decodes: bool = False,
+    num_decodes: int = 1,
+    decode_fn: str = "greedy",
+  ) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Autoregressive predictions with their scores.
 
-        def decode(variables: PyTree, ids: jax.Array) -> tuple[jax.Array, PyTree]:
-            logits, new_vars = self.module.apply(
-                variables,
-                encoded,
-                inputs,
-                ids,
-                enable_dropout=False,
-                decode=True,
-                max_decode_length=max_len,
-                mutable=["cache"],
-                method="decode",
-            )
-            return logits, new_vars["cache"]
+    Args:
+      params: model params.
+      batch: needs `encoder_input_tokens`; the output length is
+        `decoder_params['max_decode_len']` if given, else the length of
+        `decoder_input_tokens`.
+      rng: PRNG key for sampling (default PRNGKey(0)).
+      decoder_params: optional temperature, topk, topp (sampling), alpha (beam),
+        max_decode_len, min_decode_len.
+      return_all_decodes: return all `num_decodes` sequences instead of the best.
+      num_decodes: samples or beams per example.
+      decode_fn: 'greedy' (temperature 0), 'sample' or 'beam'.
 
-        # The first decode=True apply only creates zeroed caches.
-        _, cache = decode({"params": params}, jnp.ones((rows, max_len), jnp.int32))
+    Returns:
+      (tokens [batch, len] or [batch, num_decodes, len] int32 without BOS, 0 after
+      EOS; {'scores': [batch] or [batch, num_decodes]}), best first.
 
-        def tokens_to_logits(ids: jax.Array, step_cache: PyTree) -> tuple[jax.Array, PyTree]:
-            # [rows, 1, vocab]
-            logits, new_cache = decode({"params": params, "cache": step_cache}, ids)
-            return logits[:, 0, :].astype(jnp.float32), new_cache  # [rows, vocab]
+    Raises:
+      ValueError: for an unknown decode_fn or decoder param.
+    """
+    decoder_params = dict(decoder_params or {})
+    unknown = set(decoder_params) - set(_DECODER_PARAM_KEYS)
+    if unknown or decode_fn not in ("greedy", "sample", "beam"):
+      raise ValueError(f"Bad decode_fn {decode_fn!r} or decoder_params {sorted(unknown)}.")
+    max_len = decoder_params.pop("max_decode_len", None)
+    max_len = max_len or batch["decoder_input_tokens"].shape[1]
+    cache, tokens_to_logits = self._decoding_inputs(params, batch, num_decodes, max_len)
+    prompt = jnp.zeros((batch["encoder_input_tokens"].shape[0], max_len), jnp.int32)
+    eos_id = self.output_vocabulary.eos_id
+    min_len = decoder_params.pop("min_decode_len", 0)
+    if decode_fn == "beam":
+      tokens, scores = decoding.beam_search(
+        prompt,
+        cache,
+        tokens_to_logits,
+        eos_id,
+        num_decodes=num_decodes,
+        alpha=decoder_params.get("alpha", 0.6),
+        min_decode_len=min_len,
+      )
+    else:
+      sampling = {k: v for k, v in decoder_params.items() if k != "alpha"}
+      if decode_fn == "greedy":
+        sampling = {"temperature": 0.0}
+      tokens, scores = decoding.temperature_sample(
+        prompt,
+        cache,
+        tokens_to_logits,
+        eos_id,
+        jax.random.PRNGKey(0) if rng is None else rng,
+        num_decodes=num_decodes,
+        min_decode_len=min_len,
+        **sampling,
+      )
+    tokens = _zero_after_eos(tokens, eos_id)
+    if return_all_decodes:
+      return tokens, {"scores": scores}
+    return tokens[:, 0], {"scores": scores[:, 0]}
 
-        return cache, tokens_to_logits
-
-    def predict_batch_with_aux(
-        self,
-        params: PyTree,
-        batch: Batch,
-        rng: jax.Array | None = None,
-        *,
-        decoder_params: Mapping[str, Any] | None = None,
-        return_all_decodes: bool = False,
-        num_decodes: int = 1,
-        decode_fn: str = "greedy",
-    ) -> tuple[jax.Array, dict[str, jax.Array]]:
-        """Autoregressive predictions with their scores.
-
-        Args:
-          params: model params.
-          batch: needs `encoder_input_tokens`; the output length is
-            `decoder_params['max_decode_len']` if given, else the length of
-            `decoder_input_tokens`.
-          rng: PRNG key for sampling (default PRNGKey(0)).
-          decoder_params: optional temperature, topk, topp (sampling), alpha (beam),
-            max_decode_len, min_decode_len.
-          return_all_decodes: return all `num_decodes` sequences instead of the best.
-          num_decodes: samples or beams per example.
-          decode_fn: 'greedy' (temperature 0), 'sample' or 'beam'.
-
-        Returns:
-          (tokens [batch, len] or [batch, num_decodes, len] int32 without BOS, 0 after
-          EOS; {'scores': [batch] or [batch, num_decodes]}), best first.
-
-        Raises:
-          ValueError: for an unknown decode_fn or decoder param.
-        """
-        decoder_params = dict(decoder_params or {})
-        unknown = set(decoder_params) - set(_DECODER_PARAM_KEYS)
-        if unknown or decode_fn not in ("greedy", "sample", "beam"):
-            raise ValueError(f"Bad decode_fn {decode_fn!r} or decoder_params {sorted(unknown)}.")
-        max_len = decoder_params.pop("max_decode_len", None)
-        max_len = max_len or batch["decoder_input_tokens"].shape[1]
-        cache, tokens_to_logits = self._decoding_inputs(params, batch, num_decodes, max_len)
-        prompt = jnp.zeros((batch["encoder_input_tokens"].shape[0], max_len), jnp.int32)
-        eos_id = self.output_vocabulary.eos_id
-        min_len = decoder_params.pop("min_decode_len", 0)
-        if decode_fn == "beam":
-            tokens, scores = decoding.beam_search(
-                prompt, cache, tokens_to_logits, eos_id, num_decodes=num_decodes,
-                alpha=decoder_params.get("alpha", 0.6), min_decode_len=min_len,
-            )
-        else:
-            sampling = {k: v for k, v in decoder_params.items() if k != "alpha"}
-            if decode_fn == "greedy":
-                sampling = {"temperature": 0.0}
-            tokens, scores = decoding.temperature_sample(
-                prompt, cache, tokens_to_logits, eos_id,
-                jax.random.PRNGKey(0) if rng is None else rng,
-                num_decodes=num_decodes, min_decode_len=min_len, **sampling,
-            )
-        tokens = _zero_after_eos(tokens, eos_id)
-        if return_all_decodes:
-            return tokens, {"scores": scores}
-        return tokens[:, 0], {"scores": scores[:, 0]}
-
-    def predict_batch(
-        self,
-        params: PyTree,
-        batch: Batch,
-        rng: jax.Array | None = None,
-        **kwargs: Any,
-    ) -> jax.Array:
-        """`predict_batch_with_aux` without the scores (same arguments)."""
-        return self.predict_batch_with_aux(params, batch, rng, **kwargs)[0]
+  def predict_batch(
+    self,
+    params: PyTree,
+    batch: Batch,
+    rng: jax.Array | None = None,
+    **kwargs: Any,
+  ) -> jax.Array:
+    """`predict_batch_with_aux` without the scores (same arguments)."""
+    return self.predict_batch_with_aux(params, batch, rng, **kwargs)[0]
 
 
 def _zero_after_eos(tokens: jax.Array, eos_id: int) -> jax.Array:
-    """Zeroes every position after the first EOS of each sequence ([..., length])."""
-    eos_seen = jnp.cumsum(tokens == eos_id, axis=-1)  # [..., length]
-    after_first = (eos_seen - (tokens == eos_id)) > 0
-    return jnp.where(after_first, 0, tokens)
+  """Zeroes every position after the first EOS of each sequence ([..., length])."""
+  eos_seen = jnp.cumsum(tokens == eos_id, axis=-1)  # [..., length]
+  after_first = (eos_seen - (tokens == eos_id)) > 0
+  return jnp.where(after_first, 0, tokens)

@@ -73,14 +73,17 @@ class T5Config:
     # JSON round trips turn tuples into lists; keep the config hashable.
     object.__setattr__(self, 'mlp_activations', tuple(self.mlp_activations))
     if self.dtype not in _DTYPES or self.param_dtype not in _DTYPES:
-      raise ValueError(f'dtype/param_dtype must be one of {sorted(_DTYPES)}, '
-                       f'got {self.dtype!r}/{self.param_dtype!r}')
+      raise ValueError(
+        f'dtype/param_dtype must be one of {sorted(_DTYPES)}, '
+        f'got {self.dtype!r}/{self.param_dtype!r}'
+      )
     if self.remat_policy not in _REMAT_POLICIES:
-      raise ValueError(f'remat_policy must be one of {_REMAT_POLICIES}, '
-                       f'got {self.remat_policy!r}')
+      raise ValueError(f'remat_policy must be one of {_REMAT_POLICIES}, got {self.remat_policy!r}')
     if self.relative_attention_max_distance <= self.relative_attention_num_buckets // 2:
-      raise ValueError('relative_attention_max_distance must exceed half the buckets '
-                       '(the exact range of the causal bucketing)')
+      raise ValueError(
+        'relative_attention_max_distance must exceed half the buckets '
+        '(the exact range of the causal bucketing)'
+      )
 
   @property
   def activation_dtype(self) -> Any:
@@ -94,18 +97,32 @@ class T5Config:
 
 
 def _norm(cfg: T5Config, name: str) -> layers.RMSNorm:
-  return layers.RMSNorm(cfg.layer_norm_epsilon, cfg.activation_dtype, cfg.parameter_dtype,
-                        name=name)
+  return layers.RMSNorm(
+    cfg.layer_norm_epsilon, cfg.activation_dtype, cfg.parameter_dtype, name=name
+  )
 
 
 def _attention(cfg: T5Config, name: str, cross: bool = False) -> layers.MultiHeadAttention:
-  return layers.MultiHeadAttention(cfg.num_heads, cfg.head_dim, cfg.dropout_rate, cross,
-                                   cfg.activation_dtype, cfg.parameter_dtype, name=name)
+  return layers.MultiHeadAttention(
+    cfg.num_heads,
+    cfg.head_dim,
+    cfg.dropout_rate,
+    cross,
+    cfg.activation_dtype,
+    cfg.parameter_dtype,
+    name=name,
+  )
 
 
 def _mlp(cfg: T5Config) -> layers.MlpBlock:
-  return layers.MlpBlock(cfg.mlp_dim, cfg.mlp_activations, cfg.dropout_rate,
-                         cfg.activation_dtype, cfg.parameter_dtype, name='mlp')
+  return layers.MlpBlock(
+    cfg.mlp_dim,
+    cfg.mlp_activations,
+    cfg.dropout_rate,
+    cfg.activation_dtype,
+    cfg.parameter_dtype,
+    name='mlp',
+  )
 
 
 def _residual(cfg: T5Config, y: Array, x: Array, deterministic: bool) -> Array:
@@ -130,8 +147,9 @@ class EncoderLayer(nn.Module):
     """x [batch, length, embed] -> same; returns (x, None) when scanned."""
     cfg = self.config
     y = _norm(cfg, 'pre_attention_layer_norm')(x)
-    y = _attention(cfg, 'attention')(y, y, mask_bias, position_bias,
-                                     deterministic=self.deterministic)
+    y = _attention(cfg, 'attention')(
+      y, y, mask_bias, position_bias, deterministic=self.deterministic
+    )
     x = _residual(cfg, y, x, self.deterministic)
     y = _norm(cfg, 'pre_mlp_layer_norm')(x)
     y = _mlp(cfg)(y, self.deterministic)
@@ -155,20 +173,29 @@ class DecoderLayer(nn.Module):
   cache_length: int | None = None
 
   @nn.compact
-  def __call__(self, x: Array, encoded: Array, self_mask_bias: Array | None,
-               position_bias: Array, cross_mask_bias: Array,
-               decode_position: Array | None) -> Any:
+  def __call__(
+    self,
+    x: Array,
+    encoded: Array,
+    self_mask_bias: Array | None,
+    position_bias: Array,
+    cross_mask_bias: Array,
+    decode_position: Array | None,
+  ) -> Any:
     """x [batch, target_len, embed] -> same; returns (x, None) when scanned."""
     cfg = self.config
-    kwargs = dict(deterministic=self.deterministic, decode=self.decode,
-                  decode_position=decode_position)
+    kwargs = dict(
+      deterministic=self.deterministic, decode=self.decode, decode_position=decode_position
+    )
     y = _norm(cfg, 'pre_self_attention_layer_norm')(x)
-    y = _attention(cfg, 'self_attention')(y, y, self_mask_bias, position_bias,
-                                          cache_length=self.cache_length, **kwargs)
+    y = _attention(cfg, 'self_attention')(
+      y, y, self_mask_bias, position_bias, cache_length=self.cache_length, **kwargs
+    )
     x = _residual(cfg, y, x, self.deterministic)
     y = _norm(cfg, 'pre_cross_attention_layer_norm')(x)
-    y = _attention(cfg, 'encoder_decoder_attention', cross=True)(y, encoded, cross_mask_bias,
-                                                                 **kwargs)
+    y = _attention(cfg, 'encoder_decoder_attention', cross=True)(
+      y, encoded, cross_mask_bias, **kwargs
+    )
     x = _residual(cfg, y, x, self.deterministic)
     y = _norm(cfg, 'pre_mlp_layer_norm')(x)
     y = _mlp(cfg)(y, self.deterministic)
@@ -176,8 +203,14 @@ class DecoderLayer(nn.Module):
     return (x, None) if cfg.scan_layers else x
 
 
-def _apply_layers(cfg: T5Config, layer_cls: type[nn.Module], num_layers: int, x: Array,
-                  *args: Any, **layer_kwargs: Any) -> Array:
+def _apply_layers(
+  cfg: T5Config,
+  layer_cls: type[nn.Module],
+  num_layers: int,
+  x: Array,
+  *args: Any,
+  **layer_kwargs: Any,
+) -> Array:
   """Runs num_layers layers (plain loop or nn.scan), rematerialised per cfg.remat_policy.
 
   Must be called inside a compact method: layers are named `layers_{i}`, or `layers`
@@ -185,17 +218,20 @@ def _apply_layers(cfg: T5Config, layer_cls: type[nn.Module], num_layers: int, x:
   batch stays leading).
   """
   if cfg.remat_policy != 'none':
-    policy = (jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims
-              if cfg.remat_policy == 'minimal' else None)
+    policy = (
+      jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims
+      if cfg.remat_policy == 'minimal'
+      else None
+    )
     layer_cls = nn.remat(layer_cls, prevent_cse=not cfg.scan_layers, policy=policy)
   if cfg.scan_layers:
     scanned = nn.scan(
-        layer_cls,
-        variable_axes={'params': 0, 'cache': 1},
-        split_rngs={'params': True, 'dropout': True},
-        in_axes=(nn.broadcast,) * len(args),
-        length=num_layers,
-        metadata_params={nn.PARTITION_NAME: 'layers'},
+      layer_cls,
+      variable_axes={'params': 0, 'cache': 1},
+      split_rngs={'params': True, 'dropout': True},
+      in_axes=(nn.broadcast,) * len(args),
+      length=num_layers,
+      metadata_params={nn.PARTITION_NAME: 'layers'},
     )
     x, _ = scanned(cfg, name='layers', **layer_kwargs)(x, *args)
     return x
@@ -205,9 +241,14 @@ def _apply_layers(cfg: T5Config, layer_cls: type[nn.Module], num_layers: int, x:
 
 
 def _relpos(cfg: T5Config) -> layers.RelativePositionBiases:
-  return layers.RelativePositionBiases(cfg.relative_attention_num_buckets,
-                                       cfg.relative_attention_max_distance, cfg.num_heads,
-                                       jnp.float32, cfg.parameter_dtype, name='relpos_bias')
+  return layers.RelativePositionBiases(
+    cfg.relative_attention_num_buckets,
+    cfg.relative_attention_max_distance,
+    cfg.num_heads,
+    jnp.float32,
+    cfg.parameter_dtype,
+    name='relpos_bias',
+  )
 
 
 def _segment_mask(query_segments: Array | None, key_segments: Array | None) -> Array | None:
@@ -229,21 +270,35 @@ class Encoder(nn.Module):
   shared_embedding: nn.Module
 
   @nn.compact
-  def __call__(self, encoder_input_tokens: Array, encoder_segment_ids: Array | None = None,
-               encoder_positions: Array | None = None, deterministic: bool = True) -> Array:
+  def __call__(
+    self,
+    encoder_input_tokens: Array,
+    encoder_segment_ids: Array | None = None,
+    encoder_positions: Array | None = None,
+    deterministic: bool = True,
+  ) -> Array:
     """tokens [batch, input_len] -> encoded [batch, input_len, embed]."""
     cfg = self.config
     length = encoder_input_tokens.shape[1]
     valid = encoder_input_tokens > 0  # [batch, input_len]
-    mask = layers.combine_masks(layers.make_attention_mask(valid, valid),
-                                _segment_mask(encoder_segment_ids, encoder_segment_ids))
+    mask = layers.combine_masks(
+      layers.make_attention_mask(valid, valid),
+      _segment_mask(encoder_segment_ids, encoder_segment_ids),
+    )
     relative = layers.relative_positions(length, length, encoder_positions, encoder_positions)
     position_bias = _relpos(cfg)(relative, bidirectional=True)  # [batch|1, heads, q, k]
     x = self.shared_embedding(encoder_input_tokens)  # [batch, input_len, embed]
     x = nn.Dropout(rate=cfg.dropout_rate, broadcast_dims=(-2,))(x, deterministic=deterministic)
     x = nn.with_logical_constraint(x, ('batch', 'length', 'embed'))
-    x = _apply_layers(cfg, EncoderLayer, cfg.num_encoder_layers, x, layers.mask_to_bias(mask),
-                      position_bias, deterministic=deterministic)
+    x = _apply_layers(
+      cfg,
+      EncoderLayer,
+      cfg.num_encoder_layers,
+      x,
+      layers.mask_to_bias(mask),
+      position_bias,
+      deterministic=deterministic,
+    )
     x = _norm(cfg, 'encoder_norm')(x)
     x = nn.Dropout(rate=cfg.dropout_rate, broadcast_dims=(-2,))(x, deterministic=deterministic)
     return nn.with_logical_constraint(x, ('batch', 'length', 'embed'))
@@ -264,10 +319,15 @@ class Decoder(nn.Module):
   config: T5Config
   shared_embedding: nn.Module
 
-  def _full_biases(self, encoder_input_tokens: Array, decoder_input_tokens: Array,
-                   decoder_target_tokens: Array | None, encoder_segment_ids: Array | None,
-                   decoder_segment_ids: Array | None,
-                   decoder_positions: Array | None) -> tuple[Array, Array, Array]:
+  def _full_biases(
+    self,
+    encoder_input_tokens: Array,
+    decoder_input_tokens: Array,
+    decoder_target_tokens: Array | None,
+    encoder_segment_ids: Array | None,
+    decoder_segment_ids: Array | None,
+    decoder_positions: Array | None,
+  ) -> tuple[Array, Array, Array]:
     """(self mask bias, relative position bias, cross mask bias) for whole sequences."""
     length = decoder_input_tokens.shape[1]
     if decoder_target_tokens is None:
@@ -277,11 +337,15 @@ class Decoder(nn.Module):
     else:
       valid = decoder_target_tokens > 0  # [batch, target_len]
       self_padding = layers.make_attention_mask(valid, valid)
-    self_mask = layers.combine_masks(layers.make_causal_mask(length), self_padding,
-                                     _segment_mask(decoder_segment_ids, decoder_segment_ids))
+    self_mask = layers.combine_masks(
+      layers.make_causal_mask(length),
+      self_padding,
+      _segment_mask(decoder_segment_ids, decoder_segment_ids),
+    )
     cross_mask = layers.combine_masks(
-        layers.make_attention_mask(valid, encoder_input_tokens > 0),
-        _segment_mask(decoder_segment_ids, encoder_segment_ids))
+      layers.make_attention_mask(valid, encoder_input_tokens > 0),
+      _segment_mask(decoder_segment_ids, encoder_segment_ids),
+    )
     relative = layers.relative_positions(length, length, decoder_positions, decoder_positions)
     position_bias = _relpos(self.config)(relative, bidirectional=False)
     return layers.mask_to_bias(self_mask), position_bias, layers.mask_to_bias(cross_mask)
@@ -293,19 +357,32 @@ class Decoder(nn.Module):
       logits = self.shared_embedding.attend(x / jnp.sqrt(cfg.emb_dim).astype(x.dtype))
     else:
       # [batch, length, embed] -> [batch, length, vocab]
-      logits = layers.Projection((cfg.emb_dim, cfg.vocab_size), '...e,ev->...v',
-                                 ('embed', 'vocab'), layers.mlp_kernel_init(),
-                                 cfg.activation_dtype, cfg.parameter_dtype,
-                                 out_dtype=jnp.float32, name='logits_dense')(x)
+      logits = layers.Projection(
+        (cfg.emb_dim, cfg.vocab_size),
+        '...e,ev->...v',
+        ('embed', 'vocab'),
+        layers.mlp_kernel_init(),
+        cfg.activation_dtype,
+        cfg.parameter_dtype,
+        out_dtype=jnp.float32,
+        name='logits_dense',
+      )(x)
     return nn.with_logical_constraint(logits, ('batch', 'length', 'vocab'))
 
   @nn.compact
-  def __call__(self, encoded: Array, encoder_input_tokens: Array, decoder_input_tokens: Array,
-               decoder_target_tokens: Array | None = None,
-               encoder_segment_ids: Array | None = None,
-               decoder_segment_ids: Array | None = None,
-               decoder_positions: Array | None = None, deterministic: bool = True,
-               decode: bool = False, max_decode_length: int | None = None) -> Array:
+  def __call__(
+    self,
+    encoded: Array,
+    encoder_input_tokens: Array,
+    decoder_input_tokens: Array,
+    decoder_target_tokens: Array | None = None,
+    encoder_segment_ids: Array | None = None,
+    decoder_segment_ids: Array | None = None,
+    decoder_positions: Array | None = None,
+    deterministic: bool = True,
+    decode: bool = False,
+    max_decode_length: int | None = None,
+  ) -> Array:
     """Returns float32 logits [batch, target_len, vocab] (target_len 1 in a decode step)."""
     cfg = self.config
     decode_position = None
@@ -317,22 +394,38 @@ class Decoder(nn.Module):
         cache_index.value = decode_position + 1
     if decode_position is None:
       self_mask_bias, position_bias, cross_mask_bias = self._full_biases(
-          encoder_input_tokens, decoder_input_tokens, decoder_target_tokens,
-          encoder_segment_ids, decoder_segment_ids, decoder_positions)
+        encoder_input_tokens,
+        decoder_input_tokens,
+        decoder_target_tokens,
+        encoder_segment_ids,
+        decoder_segment_ids,
+        decoder_positions,
+      )
     else:
       self_mask_bias = None  # the attention masks keys after decode_position itself
       distance = jnp.arange(cfg.relative_attention_max_distance + 1, dtype=jnp.int32)  # [D]
       position_bias = _relpos(cfg)(-distance[None, None, :], bidirectional=False)  # [1,h,1,D]
       query_valid = jnp.ones(decoder_input_tokens.shape, jnp.bool_)  # [batch, 1]
       cross_mask_bias = layers.mask_to_bias(
-          layers.make_attention_mask(query_valid, encoder_input_tokens > 0))
+        layers.make_attention_mask(query_valid, encoder_input_tokens > 0)
+      )
     x = self.shared_embedding(decoder_input_tokens)  # [batch, target_len, embed]
     x = nn.Dropout(rate=cfg.dropout_rate, broadcast_dims=(-2,))(x, deterministic=deterministic)
     x = nn.with_logical_constraint(x, ('batch', 'length', 'embed'))
-    x = _apply_layers(cfg, DecoderLayer, cfg.num_decoder_layers, x, encoded, self_mask_bias,
-                      position_bias, cross_mask_bias, decode_position,
-                      deterministic=deterministic, decode=decode,
-                      cache_length=max_decode_length if decode else None)
+    x = _apply_layers(
+      cfg,
+      DecoderLayer,
+      cfg.num_decoder_layers,
+      x,
+      encoded,
+      self_mask_bias,
+      position_bias,
+      cross_mask_bias,
+      decode_position,
+      deterministic=deterministic,
+      decode=decode,
+      cache_length=max_decode_length if decode else None,
+    )
     x = _norm(cfg, 'decoder_norm')(x)
     x = nn.Dropout(rate=cfg.dropout_rate, broadcast_dims=(-2,))(x, deterministic=deterministic)
     return self._logits(x)
@@ -349,23 +442,37 @@ class Transformer(nn.Module):
 
   def setup(self):
     cfg = self.config
-    self.token_embedder = layers.Embed(cfg.vocab_size, cfg.emb_dim, cfg.activation_dtype,
-                                       cfg.parameter_dtype)
+    self.token_embedder = layers.Embed(
+      cfg.vocab_size, cfg.emb_dim, cfg.activation_dtype, cfg.parameter_dtype
+    )
     self.encoder = Encoder(cfg, self.token_embedder)
     self.decoder = Decoder(cfg, self.token_embedder)
 
-  def encode(self, encoder_input_tokens: Array, encoder_segment_ids: Array | None = None,
-             encoder_positions: Array | None = None, enable_dropout: bool = True) -> Array:
+  def encode(
+    self,
+    encoder_input_tokens: Array,
+    encoder_segment_ids: Array | None = None,
+    encoder_positions: Array | None = None,
+    enable_dropout: bool = True,
+  ) -> Array:
     """Encodes tokens [batch, input_len] -> [batch, input_len, embed]."""
-    return self.encoder(encoder_input_tokens, encoder_segment_ids, encoder_positions,
-                        deterministic=not enable_dropout)
+    return self.encoder(
+      encoder_input_tokens, encoder_segment_ids, encoder_positions, deterministic=not enable_dropout
+    )
 
-  def decode(self, encoded: Array, encoder_input_tokens: Array, decoder_input_tokens: Array,
-             decoder_target_tokens: Array | None = None,
-             encoder_segment_ids: Array | None = None,
-             decoder_segment_ids: Array | None = None,
-             decoder_positions: Array | None = None, enable_dropout: bool = True,
-             decode: bool = False, max_decode_length: int | None = None) -> Array:
+  def decode(
+    self,
+    encoded: Array,
+    encoder_input_tokens: Array,
+    decoder_input_tokens: Array,
+    decoder_target_tokens: Array | None = None,
+    encoder_segment_ids: Array | None = None,
+    decoder_segment_ids: Array | None = None,
+    decoder_positions: Array | None = None,
+    enable_dropout: bool = True,
+    decode: bool = False,
+    max_decode_length: int | None = None,
+  ) -> Array:
     """Decodes to float32 logits [batch, target_len, vocab].
 
     With decode=True and mutable=['cache']: the first call (no cache yet) creates
@@ -375,19 +482,41 @@ class Transformer(nn.Module):
     logits are meaningless. Every later call takes decoder_input_tokens [batch, 1],
     attends to the cache and advances the decoder's `cache_index`.
     """
-    return self.decoder(encoded, encoder_input_tokens, decoder_input_tokens,
-                        decoder_target_tokens, encoder_segment_ids, decoder_segment_ids,
-                        decoder_positions, deterministic=not enable_dropout, decode=decode,
-                        max_decode_length=max_decode_length)
+    return self.decoder(
+      encoded,
+      encoder_input_tokens,
+      decoder_input_tokens,
+      decoder_target_tokens,
+      encoder_segment_ids,
+      decoder_segment_ids,
+      decoder_positions,
+      deterministic=not enable_dropout,
+      decode=decode,
+      max_decode_length=max_decode_length,
+    )
 
-  def __call__(self, encoder_input_tokens: Array, decoder_input_tokens: Array,
-               decoder_target_tokens: Array, encoder_segment_ids: Array | None = None,
-               decoder_segment_ids: Array | None = None,
-               encoder_positions: Array | None = None,
-               decoder_positions: Array | None = None, enable_dropout: bool = True) -> Array:
+  def __call__(
+    self,
+    encoder_input_tokens: Array,
+    decoder_input_tokens: Array,
+    decoder_target_tokens: Array,
+    encoder_segment_ids: Array | None = None,
+    decoder_segment_ids: Array | None = None,
+    encoder_positions: Array | None = None,
+    decoder_positions: Array | None = None,
+    enable_dropout: bool = True,
+  ) -> Array:
     """Teacher-forced logits [batch, target_len, vocab] (float32)."""
-    encoded = self.encode(encoder_input_tokens, encoder_segment_ids, encoder_positions,
-                          enable_dropout)
-    return self.decode(encoded, encoder_input_tokens, decoder_input_tokens,
-                       decoder_target_tokens, encoder_segment_ids, decoder_segment_ids,
-                       decoder_positions, enable_dropout)
+    encoded = self.encode(
+      encoder_input_tokens, encoder_segment_ids, encoder_positions, enable_dropout
+    )
+    return self.decode(
+      encoded,
+      encoder_input_tokens,
+      decoder_input_tokens,
+      decoder_target_tokens,
+      encoder_segment_ids,
+      decoder_segment_ids,
+      decoder_positions,
+      enable_dropout,
+    )

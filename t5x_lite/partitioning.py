@@ -32,8 +32,12 @@ LogicalRules = tuple[tuple[str, str | None], ...]
 MESH_AXES = ('data', 'model')
 
 
-def create_mesh(num_partitions: int = 1, data: int | None = None, model: int | None = None,
-                devices: Sequence[jax.Device] | None = None) -> Mesh:
+def create_mesh(
+  num_partitions: int = 1,
+  data: int | None = None,
+  model: int | None = None,
+  devices: Sequence[jax.Device] | None = None,
+) -> Mesh:
   """Builds a ('data', 'model') mesh over `devices` (default: all devices).
 
   Args:
@@ -54,7 +58,9 @@ def create_mesh(num_partitions: int = 1, data: int | None = None, model: int | N
   data = len(devices) // model if data is None else data
   if data * model != len(devices) or data < 1:
     raise ValueError(f'mesh data={data} x model={model} does not match {len(devices)} devices')
-  device_grid = mesh_utils.create_device_mesh((data, model), devices, allow_split_physical_axes=True)
+  device_grid = mesh_utils.create_device_mesh(
+    (data, model), devices, allow_split_physical_axes=True
+  )
   return Mesh(device_grid, MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * 2)
 
 
@@ -69,15 +75,15 @@ def standard_logical_axis_rules(fsdp: bool = False) -> LogicalRules:
     and `logical_shardings`.
   """
   return (
-      ('batch', 'data'),
-      ('vocab', 'model'),
-      ('heads', 'model'),
-      ('mlp', 'model'),
-      ('embed', 'data' if fsdp else None),
-      ('kv', None),
-      ('length', None),
-      ('relpos_buckets', None),
-      ('layers', None),
+    ('batch', 'data'),
+    ('vocab', 'model'),
+    ('heads', 'model'),
+    ('mlp', 'model'),
+    ('embed', 'data' if fsdp else None),
+    ('kv', None),
+    ('length', None),
+    ('relpos_buckets', None),
+    ('layers', None),
   )
 
 
@@ -107,11 +113,13 @@ def logical_shardings(tree: Any, mesh: Mesh, rules: LogicalRules) -> Any:
     A tree of `jax.sharding.NamedSharding` with the structure of `tree` where
     every box is a leaf.
   """
-  return jax.tree.map(lambda leaf: _leaf_sharding(leaf, mesh, rules), tree,
-                      is_leaf=lambda x: isinstance(x, meta.Partitioned))
+  return jax.tree.map(
+    lambda leaf: _leaf_sharding(leaf, mesh, rules),
+    tree,
+    is_leaf=lambda x: isinstance(x, meta.Partitioned),
+  )
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
   """Sharding for [batch, length] input arrays: batch over 'data', length replicated."""
   return NamedSharding(mesh, PartitionSpec('data', None))
-

@@ -44,9 +44,9 @@ INSTALL_HINT = "pip install -e '.[tpu]'"
 GIB = 2**30
 # libtpu settings for compiling without chips; a real setting in the environment wins.
 _COMPILE_ONLY_ENV = {
-    "TPU_SKIP_MDS_QUERY": "1",  # no GCE metadata-server lookups
-    "ALLOW_MULTIPLE_LIBTPU_LOAD": "1",  # no chips are claimed: skip the one-process lock
-    "TPU_WORKER_HOSTNAMES": "localhost",
+  "TPU_SKIP_MDS_QUERY": "1",  # no GCE metadata-server lookups
+  "ALLOW_MULTIPLE_LIBTPU_LOAD": "1",  # no chips are claimed: skip the one-process lock
+  "TPU_WORKER_HOSTNAMES": "localhost",
 }
 _OOM_PATTERN = re.compile(r"RESOURCE_EXHAUSTED|[Rr]an out of memory")
 
@@ -74,14 +74,27 @@ class TpuGeneration:
 
 _SLICES_2D = ("1x1", "2x2", "2x4", "4x4", "4x8", "8x8", "8x16", "16x16")
 GENERATIONS: dict[str, TpuGeneration] = {
-    g.name: g for g in (
-        TpuGeneration("v4", "v4", 32, 3, "megacore",
-                      ("2x2x1", "2x2x2", "2x2x4", "2x4x4", "4x4x4", "4x4x8", "4x8x8", "8x8x8")),
-        TpuGeneration("v5e", "v5e", 16, 2, "default", _SLICES_2D),
-        TpuGeneration("v5p", "v5p", 95, 3, "megacore",
-                      ("2x2x1", "2x2x2", "2x2x4", "2x4x4", "4x4x4", "4x4x8", "4x8x8", "8x8x8")),
-        TpuGeneration("v6e", "v6e", 32, 2, "default", _SLICES_2D),
-    )
+  g.name: g
+  for g in (
+    TpuGeneration(
+      "v4",
+      "v4",
+      32,
+      3,
+      "megacore",
+      ("2x2x1", "2x2x2", "2x2x4", "2x4x4", "4x4x4", "4x4x8", "4x8x8", "8x8x8"),
+    ),
+    TpuGeneration("v5e", "v5e", 16, 2, "default", _SLICES_2D),
+    TpuGeneration(
+      "v5p",
+      "v5p",
+      95,
+      3,
+      "megacore",
+      ("2x2x1", "2x2x2", "2x2x4", "2x4x4", "4x4x4", "4x4x8", "4x8x8", "8x8x8"),
+    ),
+    TpuGeneration("v6e", "v6e", 32, 2, "default", _SLICES_2D),
+  )
 }
 _CHIPS_PER_HOST = (2, 2, 1)  # libtpu's default host bounds; smaller slices get their own shape
 
@@ -106,9 +119,10 @@ def parse_topology(name: str) -> tuple[TpuGeneration, tuple[int, ...]]:
   dims = tuple(int(d) for d in shape.split("x")) if re.fullmatch(r"\d+(x\d+)*", shape) else ()
   if gen is None or len(dims) != gen.num_axes or min(dims) < 1:
     raise PrecompileError(
-        f"Unknown TPU topology {name!r}. Accepted: <generation>:<shape> with generation in "
-        f"{sorted(GENERATIONS)} (v5e/v6e: AxB, v4/v5p: AxBxC chips), e.g. "
-        f"{', '.join(accepted_topologies())}.")
+      f"Unknown TPU topology {name!r}. Accepted: <generation>:<shape> with generation in "
+      f"{sorted(GENERATIONS)} (v5e/v6e: AxB, v4/v5p: AxBxC chips), e.g. "
+      f"{', '.join(accepted_topologies())}."
+    )
   return gen, dims
 
 
@@ -116,8 +130,9 @@ def require_libtpu() -> None:
   """Raises `PrecompileError` saying how to install libtpu when it is missing."""
   if importlib.util.find_spec("libtpu") is None:
     raise PrecompileError(
-        f"--precompile compiles with libtpu, which is not installed. Install the `tpu` "
-        f"extra: {INSTALL_HINT}")
+      f"--precompile compiles with libtpu, which is not installed. Install the `tpu` "
+      f"extra: {INSTALL_HINT}"
+    )
 
 
 def topology_devices(name: str) -> list[jax.Device]:
@@ -131,16 +146,21 @@ def topology_devices(name: str) -> list[jax.Device]:
   for key, value in _COMPILE_ONLY_ENV.items():
     os.environ.setdefault(key, value)
   from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
+
   padded = dims + (1,) * (3 - len(dims))
   host_bounds = tuple(min(d, h) for d, h in zip(padded, _CHIPS_PER_HOST))
   try:
     topology = topologies.get_topology_desc(
-        f"{gen.libtpu_name}:{'x'.join(map(str, dims))}", "tpu",
-        chip_config_name=gen.chip_config_name, chips_per_host_bounds=host_bounds)
+      f"{gen.libtpu_name}:{'x'.join(map(str, dims))}",
+      "tpu",
+      chip_config_name=gen.chip_config_name,
+      chips_per_host_bounds=host_bounds,
+    )
   except jax.errors.JaxRuntimeError as e:
     raise PrecompileError(
-        f"libtpu rejected topology {name!r}: {e}. Standard slices: "
-        f"{', '.join(accepted_topologies())}.") from e
+      f"libtpu rejected topology {name!r}: {e}. Standard slices: "
+      f"{', '.join(accepted_topologies())}."
+    ) from e
   return list(topology.devices)
 
 
@@ -152,8 +172,9 @@ def slice_mesh(devices: list[jax.Device], name: str, num_partitions: int) -> Mes
   """
   if num_partitions < 1 or len(devices) % num_partitions:
     raise PrecompileError(
-        f"Model parallelism num_partitions={num_partitions} does not divide the "
-        f"{len(devices)} chips of {name}; choose a divisor of {len(devices)}.")
+      f"Model parallelism num_partitions={num_partitions} does not divide the "
+      f"{len(devices)} chips of {name}; choose a divisor of {len(devices)}."
+    )
   return partitioning.create_mesh(num_partitions=num_partitions, devices=devices)
 
 
@@ -184,9 +205,13 @@ class MemoryUse:
   def from_compiled(cls, compiled: jax.stages.Compiled) -> MemoryUse:
     """Reads a compiled step's memory analysis."""
     stats = compiled.memory_analysis()
-    return cls(arguments=stats.argument_size_in_bytes, outputs=stats.output_size_in_bytes,
-               aliased=stats.alias_size_in_bytes, temporaries=stats.temp_size_in_bytes,
-               peak=getattr(stats, "peak_memory_in_bytes", 0))
+    return cls(
+      arguments=stats.argument_size_in_bytes,
+      outputs=stats.output_size_in_bytes,
+      aliased=stats.alias_size_in_bytes,
+      temporaries=stats.temp_size_in_bytes,
+      peak=getattr(stats, "peak_memory_in_bytes", 0),
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -225,23 +250,29 @@ class PrecompileReport:
     """Human-readable report, one fact per line."""
     mesh = " x ".join(f"{k}={v}" for k, v in self.mesh.items())
     chips = f"{self.chips} chip{'s' if self.chips != 1 else ''}"
-    out = [f"Topology {self.topology}: {chips}, mesh {mesh}, "
-           f"HBM {self.hbm_bytes / GIB:.2f} GiB per chip"]
+    out = [
+      f"Topology {self.topology}: {chips}, mesh {mesh}, HBM {self.hbm_bytes / GIB:.2f} GiB per chip"
+    ]
     if self.memory is not None:
       m = self.memory
-      out += [f"Per-chip memory: arguments {m.arguments / GIB:.3f} GiB, outputs "
-              f"{m.outputs / GIB:.3f} GiB (donated/aliased {m.aliased / GIB:.3f} GiB), "
-              f"temporaries {m.temporaries / GIB:.3f} GiB, XLA peak {m.peak / GIB:.3f} GiB",
-              f"Per-chip total: {m.total / GIB:.3f} GiB of {self.hbm_bytes / GIB:.2f} GiB "
-              f"({100 * m.total / self.hbm_bytes:.0f}%)"]
+      out += [
+        f"Per-chip memory: arguments {m.arguments / GIB:.3f} GiB, outputs "
+        f"{m.outputs / GIB:.3f} GiB (donated/aliased {m.aliased / GIB:.3f} GiB), "
+        f"temporaries {m.temporaries / GIB:.3f} GiB, XLA peak {m.peak / GIB:.3f} GiB",
+        f"Per-chip total: {m.total / GIB:.3f} GiB of {self.hbm_bytes / GIB:.2f} GiB "
+        f"({100 * m.total / self.hbm_bytes:.0f}%)",
+      ]
     if self.compiler_error is not None:
       out.append(f"Compiler: {self.compiler_error}")
     if self.xla_flops_per_chip is not None:
-      loops = (" [loop bodies counted once: scan_layers/microbatches]"
-               if self.loops_counted_once else "")
-      out.append(f"FLOPs per step: XLA {self.xla_flops_per_chip:.4g} per chip "
-                 f"({self.xla_flops_per_chip * self.chips:.4g} on the slice){loops}; model "
-                 f"matmuls {self.model_flops_per_step:.4g} (t5x_lite.flops)")
+      loops = (
+        " [loop bodies counted once: scan_layers/microbatches]" if self.loops_counted_once else ""
+      )
+      out.append(
+        f"FLOPs per step: XLA {self.xla_flops_per_chip:.4g} per chip "
+        f"({self.xla_flops_per_chip * self.chips:.4g} on the slice){loops}; model "
+        f"matmuls {self.model_flops_per_step:.4g} (t5x_lite.flops)"
+      )
     else:
       out.append(f"FLOPs per step: model matmuls {self.model_flops_per_step:.4g}")
     out.append("FITS" if self.fits else "DOES NOT FIT")
@@ -251,27 +282,28 @@ class PrecompileReport:
 def advice(report: PrecompileReport) -> str:
   """What to change when the step does not fit, in gin bindings."""
   return (
-      f"The train step does not fit in {report.hbm_bytes / GIB:.2f} GiB per chip on "
-      f"{report.topology}. To cut per-chip memory (try in this order, re-running "
-      "--precompile):\n"
-      f"  - more model parallelism: --gin.train.num_partitions=N (now {report.mesh['model']}; "
-      f"N must divide {report.chips}) splits heads, MLP and vocab over N chips;\n"
-      "  - fully-sharded parameters: --gin.train.fsdp=True shards parameters and optimizer "
-      "state over the data axis too;\n"
-      "  - rematerialisation: --gin.T5Config.remat_policy=minimal (or full) recomputes "
-      "activations in the backward pass; bfloat16 activations "
-      "(--gin.T5Config.dtype=bfloat16) halve them;\n"
-      "  - microbatches: --gin.train.num_microbatches=K accumulates gradients over K "
-      "slices of the batch (the per-chip batch must divide by K);\n"
-      "  - or a bigger slice (more chips) / a generation with more HBM.")
+    f"The train step does not fit in {report.hbm_bytes / GIB:.2f} GiB per chip on "
+    f"{report.topology}. To cut per-chip memory (try in this order, re-running "
+    "--precompile):\n"
+    f"  - more model parallelism: --gin.train.num_partitions=N (now {report.mesh['model']}; "
+    f"N must divide {report.chips}) splits heads, MLP and vocab over N chips;\n"
+    "  - fully-sharded parameters: --gin.train.fsdp=True shards parameters and optimizer "
+    "state over the data axis too;\n"
+    "  - rematerialisation: --gin.T5Config.remat_policy=minimal (or full) recomputes "
+    "activations in the backward pass; bfloat16 activations "
+    "(--gin.T5Config.dtype=bfloat16) halve them;\n"
+    "  - microbatches: --gin.train.num_microbatches=K accumulates gradients over K "
+    "slices of the batch (the per-chip batch must divide by K);\n"
+    "  - or a bigger slice (more chips) / a generation with more HBM."
+  )
 
 
 def abstract_state_on(
-    model: models.EncoderDecoderModel,
-    optimizer: optimizers.Optimizer,
-    input_shapes: Mapping[str, tuple[int, ...]],
-    mesh: Mesh,
-    rules: partitioning.LogicalRules,
+  model: models.EncoderDecoderModel,
+  optimizer: optimizers.Optimizer,
+  input_shapes: Mapping[str, tuple[int, ...]],
+  mesh: Mesh,
+  rules: partitioning.LogicalRules,
 ) -> tuple[trainer.TrainState, trainer.TrainState]:
   """`trainer.abstract_train_state` for a mesh of compile-only devices.
 
@@ -284,21 +316,23 @@ def abstract_state_on(
     (abstract TrainState of ShapeDtypeStructs sharded over `mesh`, its shardings).
   """
   host_mesh = partitioning.create_mesh(devices=jax.local_devices(backend="cpu")[:1])
-  host_state, host_shardings = trainer.abstract_train_state(model, optimizer, input_shapes,
-                                                            host_mesh, rules)
+  host_state, host_shardings = trainer.abstract_train_state(
+    model, optimizer, input_shapes, host_mesh, rules
+  )
   shardings = jax.tree.map(lambda s: NamedSharding(mesh, s.spec), host_shardings)
-  state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                       host_state, shardings)
+  state = jax.tree.map(
+    lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), host_state, shardings
+  )
   return state, shardings
 
 
 def lower_train_step(
-    model: models.EncoderDecoderModel,
-    optimizer: optimizers.Optimizer,
-    input_shapes: Mapping[str, tuple[int, ...]],
-    mesh: Mesh,
-    rules: partitioning.LogicalRules,
-    num_microbatches: int,
+  model: models.EncoderDecoderModel,
+  optimizer: optimizers.Optimizer,
+  input_shapes: Mapping[str, tuple[int, ...]],
+  mesh: Mesh,
+  rules: partitioning.LogicalRules,
+  num_microbatches: int,
 ) -> jax.stages.Lowered:
   """Lowers `trainer.train_step` exactly as `trainer.make_train_step` jits it.
 
@@ -319,14 +353,25 @@ def lower_train_step(
   state, shardings = abstract_state_on(model, optimizer, input_shapes, mesh, rules)
   batch_sharding = partitioning.batch_sharding(mesh)
   replicated = NamedSharding(mesh, PartitionSpec())
-  batch = {name: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=batch_sharding)
-           for name, shape in input_shapes.items()}  # [batch, length] each
+  batch = {
+    name: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=batch_sharding)
+    for name, shape in input_shapes.items()
+  }  # [batch, length] each
   rng = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=replicated)
-  step = functools.partial(trainer.train_step, model, optimizer,
-                           num_microbatches=num_microbatches, mesh=mesh,
-                           param_shardings=shardings.params)
-  jitted = jax.jit(step, in_shardings=(shardings, batch_sharding, replicated),
-                   out_shardings=(shardings, replicated), donate_argnums=(0,))
+  step = functools.partial(
+    trainer.train_step,
+    model,
+    optimizer,
+    num_microbatches=num_microbatches,
+    mesh=mesh,
+    param_shardings=shardings.params,
+  )
+  jitted = jax.jit(
+    step,
+    in_shardings=(shardings, batch_sharding, replicated),
+    out_shardings=(shardings, replicated),
+    donate_argnums=(0,),
+  )
   with trainer.sharding_context(mesh, rules):
     return jitted.lower(state, batch, rng)
 
@@ -341,14 +386,14 @@ def _xla_flops(compiled: jax.stages.Compiled) -> float | None:
 
 
 def precompile_train_step(
-    model: models.EncoderDecoderModel,
-    optimizer: optimizers.Optimizer,
-    dataset_cfg: data.DatasetConfig,
-    topology: str,
-    *,
-    num_partitions: int = 1,
-    fsdp: bool = False,
-    num_microbatches: int = 1,
+  model: models.EncoderDecoderModel,
+  optimizer: optimizers.Optimizer,
+  dataset_cfg: data.DatasetConfig,
+  topology: str,
+  *,
+  num_partitions: int = 1,
+  fsdp: bool = False,
+  num_microbatches: int = 1,
 ) -> PrecompileReport:
   """Compiles the train step for `topology` and measures it.
 
@@ -373,10 +418,14 @@ def precompile_train_step(
   rules = partitioning.standard_logical_axis_rules(fsdp=fsdp)
   lengths = data.model_feature_lengths(dataset_cfg)
   inputs, targets = lengths["encoder_input_tokens"], lengths["decoder_target_tokens"]
-  model_flops = (flops.flops_per_token(model.module.config, inputs, targets)
-                 * dataset_cfg.batch_size * (inputs + targets))
-  lowered = lower_train_step(model, optimizer, data.model_input_shapes(dataset_cfg), mesh,
-                             rules, num_microbatches)
+  model_flops = (
+    flops.flops_per_token(model.module.config, inputs, targets)
+    * dataset_cfg.batch_size
+    * (inputs + targets)
+  )
+  lowered = lower_train_step(
+    model, optimizer, data.model_input_shapes(dataset_cfg), mesh, rules, num_microbatches
+  )
   memory, error, xla_flops = None, None, None
   try:
     compiled = lowered.compile()
@@ -387,10 +436,16 @@ def precompile_train_step(
   else:
     memory, xla_flops = MemoryUse.from_compiled(compiled), _xla_flops(compiled)
   return PrecompileReport(
-      topology=topology, chips=len(devices), mesh=dict(mesh.shape),
-      hbm_bytes=int(gen.hbm_gib * GIB), memory=memory, compiler_error=error,
-      xla_flops_per_chip=xla_flops, model_flops_per_step=model_flops,
-      loops_counted_once=model.module.config.scan_layers or num_microbatches > 1)
+    topology=topology,
+    chips=len(devices),
+    mesh=dict(mesh.shape),
+    hbm_bytes=int(gen.hbm_gib * GIB),
+    memory=memory,
+    compiler_error=error,
+    xla_flops_per_chip=xla_flops,
+    model_flops_per_step=model_flops,
+    loops_counted_once=model.module.config.scan_layers or num_microbatches > 1,
+  )
 
 
 def train_arguments() -> dict[str, Any]:
@@ -417,7 +472,8 @@ def run(topology: str | None) -> int:
   """
   if not topology:
     raise PrecompileError(
-        f"--precompile needs --topology, one of: {', '.join(accepted_topologies())}.")
+      f"--precompile needs --topology, one of: {', '.join(accepted_topologies())}."
+    )
   parse_topology(topology)
   require_libtpu()
   if not jax.config.jax_platforms:  # host work (shape inference) stays on the CPU
@@ -425,13 +481,21 @@ def run(topology: str | None) -> int:
   args = train_arguments()
   dataset_cfg = args["train_dataset_cfg"]
   if not isinstance(dataset_cfg, data.DatasetConfig) or not isinstance(
-      dataset_cfg.task_feature_lengths, Mapping):
-    raise PrecompileError("The gin config must set train.train_dataset_cfg with "
-                          "TASK_FEATURE_LENGTHS (and BATCH_SIZE), as for training.")
+    dataset_cfg.task_feature_lengths, Mapping
+  ):
+    raise PrecompileError(
+      "The gin config must set train.train_dataset_cfg with "
+      "TASK_FEATURE_LENGTHS (and BATCH_SIZE), as for training."
+    )
   report = precompile_train_step(
-      args["model"] or train_loop.build_model(), args["optimizer"], dataset_cfg, topology,
-      num_partitions=args["num_partitions"], fsdp=args["fsdp"],
-      num_microbatches=args["num_microbatches"])
+    args["model"] or train_loop.build_model(),
+    args["optimizer"],
+    dataset_cfg,
+    topology,
+    num_partitions=args["num_partitions"],
+    fsdp=args["fsdp"],
+    num_microbatches=args["num_microbatches"],
+  )
   print("\n".join(report.lines()), flush=True)
   if report.fits:
     return 0

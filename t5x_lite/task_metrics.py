@@ -20,73 +20,73 @@ INVALID_LABEL = -1
 
 
 def string_label_to_class_id(
-    string_label: str,
-    label_classes: Sequence[str],
-    example: Optional[dict[str, Any]] = None,
-    is_target: bool = False,
+  string_label: str,
+  label_classes: Sequence[str],
+  example: Optional[dict[str, Any]] = None,
+  is_target: bool = False,
 ) -> int:
-    """Index of `string_label` in `label_classes`, or -1 for anything else."""
-    del example, is_target
-    label = string_label.strip()
-    return label_classes.index(label) if label in label_classes else INVALID_LABEL
+  """Index of `string_label` in `label_classes`, or -1 for anything else."""
+  del example, is_target
+  label = string_label.strip()
+  return label_classes.index(label) if label in label_classes else INVALID_LABEL
 
 
 def string_to_float(
-    string: str,
-    default: float = math.nan,
-    example: Optional[dict[str, Any]] = None,
-    is_target: bool = False,
+  string: str,
+  default: float = math.nan,
+  example: Optional[dict[str, Any]] = None,
+  is_target: bool = False,
 ) -> float:
-    """Parses a float; unparsable predictions become `default` (NaN)."""
-    del example, is_target
-    try:
-        return float(string)
-    except ValueError:
-        return default
+  """Parses a float; unparsable predictions become `default` (NaN)."""
+  del example, is_target
+  try:
+    return float(string)
+  except ValueError:
+    return default
 
 
 def accuracy(targets: Sequence[Any], predictions: Sequence[Any]) -> dict[str, float]:
-    """Percentage of exact matches."""
-    return {"accuracy": 100.0 * float(np.mean(np.array(targets) == np.array(predictions)))}
+  """Percentage of exact matches."""
+  return {"accuracy": 100.0 * float(np.mean(np.array(targets) == np.array(predictions)))}
 
 
 def f1_with_invalid(targets: Sequence[int], predictions: Sequence[int]) -> dict[str, float]:
-    """Binary F1 (positive class 1) where an invalid prediction counts as wrong."""
-    targets, predictions = np.asarray(targets), np.asarray(predictions)
-    invalid = (predictions != 0) & (predictions != 1)
-    predictions = np.where(invalid, 1 - targets, predictions)
-    return {"f1": 100.0 * float(sklearn.metrics.f1_score(targets, predictions))}
+  """Binary F1 (positive class 1) where an invalid prediction counts as wrong."""
+  targets, predictions = np.asarray(targets), np.asarray(predictions)
+  invalid = (predictions != 0) & (predictions != 1)
+  predictions = np.where(invalid, 1 - targets, predictions)
+  return {"f1": 100.0 * float(sklearn.metrics.f1_score(targets, predictions))}
 
 
 def matthews_corrcoef(targets: Sequence[int], predictions: Sequence[int]) -> dict[str, float]:
-    """Matthews correlation (CoLA), times 100."""
-    return {
-        "matthews_corrcoef": 100.0 * float(sklearn.metrics.matthews_corrcoef(targets, predictions))
-    }
+  """Matthews correlation (CoLA), times 100."""
+  return {
+    "matthews_corrcoef": 100.0 * float(sklearn.metrics.matthews_corrcoef(targets, predictions))
+  }
 
 
 def pearson_spearman(targets: Sequence[float], predictions: Sequence[float]) -> dict[str, float]:
-    """Pearson and Spearman correlations (STS-B), times 100; NaN predictions -> 0."""
-    predictions = np.nan_to_num(np.asarray(predictions, np.float64), nan=0.0)
-    targets = np.asarray(targets, np.float64)
-    return {
-        "pearson_corrcoef": 100.0 * float(scipy.stats.pearsonr(targets, predictions)[0]),
-        "spearman_corrcoef": 100.0 * float(scipy.stats.spearmanr(targets, predictions)[0]),
-    }
+  """Pearson and Spearman correlations (STS-B), times 100; NaN predictions -> 0."""
+  predictions = np.nan_to_num(np.asarray(predictions, np.float64), nan=0.0)
+  targets = np.asarray(targets, np.float64)
+  return {
+    "pearson_corrcoef": 100.0 * float(scipy.stats.pearsonr(targets, predictions)[0]),
+    "spearman_corrcoef": 100.0 * float(scipy.stats.spearmanr(targets, predictions)[0]),
+  }
 
 
 def bleu(targets: Sequence[str], predictions: Sequence[str]) -> dict[str, float]:
-    """Corpus BLEU with sacrebleu's defaults (13a tokenization, exp smoothing)."""
-    return {"bleu": float(sacrebleu.corpus_bleu(list(predictions), [list(targets)]).score)}
+  """Corpus BLEU with sacrebleu's defaults (13a tokenization, exp smoothing)."""
+  return {"bleu": float(sacrebleu.corpus_bleu(list(predictions), [list(targets)]).score)}
 
 
 def rouge(targets: Sequence[str], predictions: Sequence[str]) -> dict[str, float]:
-    """Mean ROUGE-1/2/Lsum F-measures over examples, times 100 (deterministic)."""
-    types = ("rouge1", "rouge2", "rougeLsum")
-    scorer = rouge_scorer.RougeScorer(types)
-    # rougeLsum treats newlines as sentence boundaries.
-    scores = [
-        scorer.score(t.replace(". ", ".\n"), p.replace(". ", ".\n"))
-        for t, p in zip(targets, predictions)
-    ]
-    return {t: 100.0 * float(np.mean([s[t].fmeasure for s in scores])) for t in types}
+  """Mean ROUGE-1/2/Lsum F-measures over examples, times 100 (deterministic)."""
+  types = ("rouge1", "rouge2", "rougeLsum")
+  scorer = rouge_scorer.RougeScorer(types)
+  # rougeLsum treats newlines as sentence boundaries.
+  scores = [
+    scorer.score(t.replace(". ", ".\n"), p.replace(". ", ".\n"))
+    for t, p in zip(targets, predictions)
+  ]
+  return {t: 100.0 * float(np.mean([s[t].fmeasure for s in scores])) for t in types}

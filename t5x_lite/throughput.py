@@ -111,7 +111,9 @@ class Throughput:
     return {
       "throughput/seqs_per_sec_per_device": steps * self.rows_per_step * per_device_second,
       "throughput/tokens_per_sec_per_device": steps * self.tokens_per_step * per_device_second,
-      "throughput/mfu": steps * self.flops_per_step * per_device_second
+      "throughput/mfu": steps
+      * self.flops_per_step
+      * per_device_second
       / self.peak_flops_per_device,
       "throughput/step_time_sec": seconds / steps,
     }

@@ -23,9 +23,12 @@ from absl import app, flags
 import tasks  # noqa: F401  (registers seqio tasks and mixtures)
 from t5x_lite import cli, precompile, train_loop
 
-flags.DEFINE_bool("precompile", False,
-                  "Only compile the train step for --topology and report per-chip memory "
-                  "and FLOPs; exit status 1 if it does not fit. Needs the `tpu` extra.")
+flags.DEFINE_bool(
+  "precompile",
+  False,
+  "Only compile the train step for --topology and report per-chip memory "
+  "and FLOPs; exit status 1 if it does not fit. Needs the `tpu` extra.",
+)
 flags.DEFINE_string("topology", None, "TPU slice for --precompile, e.g. v5e:4x4, v4:2x2x2.")
 
 

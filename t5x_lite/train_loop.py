@@ -40,8 +40,20 @@ import jax.numpy as jnp
 import numpy as np
 from absl import logging
 
-from t5x_lite import (checkpoints, data, evaluation, flops, metrics_logging, models, network,
-                      optimizers, partitioning, throughput, trainer, vocab)
+from t5x_lite import (
+  checkpoints,
+  data,
+  evaluation,
+  flops,
+  metrics_logging,
+  models,
+  network,
+  optimizers,
+  partitioning,
+  throughput,
+  trainer,
+  vocab,
+)
 from t5x_lite.errors import UserError
 
 CONFIG_FILE = "config.gin"
@@ -66,8 +78,9 @@ def build_model(config: network.T5Config | None = None) -> models.EncoderDecoder
   vocabulary = vocab.get_vocabulary()
   if vocabulary.vocab_size > config.vocab_size:
     raise ValueError(
-        f"The vocabulary has {vocabulary.vocab_size} ids but T5Config.vocab_size is "
-        f"{config.vocab_size}; set T5Config.vocab_size >= {vocabulary.vocab_size}.")
+      f"The vocabulary has {vocabulary.vocab_size} ids but T5Config.vocab_size is "
+      f"{config.vocab_size}; set T5Config.vocab_size >= {vocabulary.vocab_size}."
+    )
   return models.EncoderDecoderModel(network.Transformer(config), vocabulary, vocabulary)
 
 
@@ -83,8 +96,7 @@ class StopRequest:
   def _handle(self, signum: int, frame: Any) -> None:
     del frame
     self.signal_name = signal.Signals(signum).name
-    logging.warning("Received %s: finishing this step, then saving and exiting.",
-                    self.signal_name)
+    logging.warning("Received %s: finishing this step, then saving and exiting.", self.signal_name)
 
   @contextlib.contextmanager
   def installed(self) -> Iterator[StopRequest]:
@@ -113,17 +125,17 @@ class _Setup:
 
 
 def _setup_state(
-    model: models.EncoderDecoderModel,
-    optimizer: optimizers.Optimizer,
-    input_shapes: Mapping[str, tuple[int, ...]],
-    ckpt: checkpoints.TrainCheckpointer,
-    train_iter: data.TrainIterator,
-    mesh: jax.sharding.Mesh,
-    rules: Any,
-    *,
-    random_seed: int,
-    initial_checkpoint_path: str | None,
-    initial_checkpoint_dtype: str | None,
+  model: models.EncoderDecoderModel,
+  optimizer: optimizers.Optimizer,
+  input_shapes: Mapping[str, tuple[int, ...]],
+  ckpt: checkpoints.TrainCheckpointer,
+  train_iter: data.TrainIterator,
+  mesh: jax.sharding.Mesh,
+  rules: Any,
+  *,
+  random_seed: int,
+  initial_checkpoint_path: str | None,
+  initial_checkpoint_dtype: str | None,
 ) -> _Setup:
   """Resumes from MODEL_DIR, else initialises (optionally from a checkpoint).
 
@@ -131,8 +143,7 @@ def _setup_state(
   skipped with a warning (`TrainCheckpointer.restore_latest`).
   """
   init_rng, rng = jax.random.split(jax.random.PRNGKey(random_seed))
-  abstract, shardings = trainer.abstract_train_state(model, optimizer, input_shapes, mesh,
-                                                      rules)
+  abstract, shardings = trainer.abstract_train_state(model, optimizer, input_shapes, mesh, rules)
   restored = ckpt.restore_latest(abstract.params, abstract.opt_state, train_iter)
   if restored is not None:
     logging.info("Resuming from %s/%d", ckpt.directory, restored.step)
@@ -140,29 +151,36 @@ def _setup_state(
     state = trainer.TrainState(step=step, params=restored.params, opt_state=restored.opt_state)
     rng = jnp.asarray(restored.meta["rng"], jnp.uint32)
   else:
-    state, shardings = trainer.init_train_state(model, optimizer, input_shapes, init_rng,
-                                                mesh, rules)
+    state, shardings = trainer.init_train_state(
+      model, optimizer, input_shapes, init_rng, mesh, rules
+    )
     if initial_checkpoint_path:
       logging.info("Fine-tuning from %s (params only)", initial_checkpoint_path)
-      params = checkpoints.restore_params(initial_checkpoint_path, abstract.params,
-                                          dtype=initial_checkpoint_dtype)
+      params = checkpoints.restore_params(
+        initial_checkpoint_path, abstract.params, dtype=initial_checkpoint_dtype
+      )
       state = state.replace(params=params)
   return _Setup(state, shardings, rng, model.module.config, mesh, rules)
 
 
-def _fetch_and_check(pending: Sequence[tuple[int, Mapping[str, jax.Array]]],
-                     last_saved: int | None) -> list[dict[str, float]]:
+def _fetch_and_check(
+  pending: Sequence[tuple[int, Mapping[str, jax.Array]]], last_saved: int | None
+) -> list[dict[str, float]]:
   """Fetches pending step metrics; raises at the first non-finite step."""
   fetched = jax.device_get([m for _, m in pending])
   for (step, _), metrics in zip(pending, fetched):
     bad = [k for k in ("loss", "grad_norm") if k in metrics and not np.isfinite(metrics[k])]
     if bad:
       values = ", ".join(f"{k}={metrics[k]}" for k in bad)
-      saved = (f"the last checkpoint (step {last_saved}) is intact" if last_saved is not None
-               else "no checkpoint was written")
+      saved = (
+        f"the last checkpoint (step {last_saved}) is intact"
+        if last_saved is not None
+        else "no checkpoint was written"
+      )
       raise NonFiniteLossError(
-          f"Non-finite {values} at step {step} (the update producing step {step}); "
-          f"stopping without saving, {saved}.")
+        f"Non-finite {values} at step {step} (the update producing step {step}); "
+        f"stopping without saving, {saved}."
+      )
   return [{k: float(v) for k, v in m.items()} for m in fetched]
 
 
@@ -193,8 +211,9 @@ def evaluate(eval_step: Any, params: Any, batches: Iterator[data.Batch]) -> dict
   if not results:
     raise ValueError("The evaluation split produced no target tokens.")
   weights = np.array([r["num_tokens"] for r in results], np.float64)
-  summary = {k: float(np.average([r[k] for r in results], weights=weights))
-             for k in ("loss", "accuracy")}
+  summary = {
+    k: float(np.average([r[k] for r in results], weights=weights)) for k in ("loss", "accuracy")
+  }
   summary["num_tokens"] = float(weights.sum())
   return summary
 
@@ -210,15 +229,25 @@ def write_operative_config(model_dir: str) -> None:
 class _Loop:
   """Runs steps and decides when to log, check, save and evaluate."""
 
-  def __init__(self, model: models.EncoderDecoderModel, optimizer: optimizers.Optimizer,
-               setup: _Setup, ckpt: checkpoints.TrainCheckpointer,
-               train_iter: data.TrainIterator, model_dir: str, total_steps: int,
-               dataset_cfg: data.DatasetConfig, num_microbatches: int, log_period: int):
+  def __init__(
+    self,
+    model: models.EncoderDecoderModel,
+    optimizer: optimizers.Optimizer,
+    setup: _Setup,
+    ckpt: checkpoints.TrainCheckpointer,
+    train_iter: data.TrainIterator,
+    model_dir: str,
+    total_steps: int,
+    dataset_cfg: data.DatasetConfig,
+    num_microbatches: int,
+    log_period: int,
+  ):
     self.setup, self.ckpt, self.train_iter = setup, ckpt, train_iter
     self.total_steps, self.log_period = total_steps, log_period
     self.model = model
-    self.train_step = trainer.make_train_step(model, optimizer, setup.mesh, setup.rules,
-                                              setup.shardings, num_microbatches)
+    self.train_step = trainer.make_train_step(
+      model, optimizer, setup.mesh, setup.rules, setup.shardings, num_microbatches
+    )
     self.logger = metrics_logging.MetricsLogger(model_dir, total_steps)
     lengths = data.model_feature_lengths(dataset_cfg)
     inputs, targets = lengths["encoder_input_tokens"], lengths["decoder_target_tokens"]
@@ -226,9 +255,12 @@ class _Loop:
     peak, source = throughput.device_peak_flops()
     logging.info("Peak FLOP/s per device for MFU: %.3g (%s)", peak, source)
     self.throughput = throughput.Throughput(
-        rows_per_step=dataset_cfg.batch_size, tokens_per_step=tokens,
-        flops_per_step=flops.flops_per_token(setup.model_config, inputs, targets) * tokens,
-        num_devices=setup.mesh.devices.size, peak_flops_per_device=peak)
+      rows_per_step=dataset_cfg.batch_size,
+      tokens_per_step=tokens,
+      flops_per_step=flops.flops_per_token(setup.model_config, inputs, targets) * tokens,
+      num_devices=setup.mesh.devices.size,
+      peak_flops_per_device=peak,
+    )
     self.eval: tuple[data.DatasetConfig, int, int, Any] | None = None
     # (period, fn(params, step) -> scalars): seqio evaluation, see `evaluation`.
     self.infer_eval: tuple[int, Any] | None = None
@@ -236,19 +268,21 @@ class _Loop:
 
   def enable_eval(self, cfg: data.DatasetConfig, period: int, steps: int) -> None:
     """Evaluates every `period` steps (and at the end) on `steps` batches of `cfg`."""
-    eval_step = trainer.make_eval_step(self.model, self.setup.mesh, self.setup.rules,
-                                       self.setup.shardings)
+    eval_step = trainer.make_eval_step(
+      self.model, self.setup.mesh, self.setup.rules, self.setup.shardings
+    )
     self.eval = (cfg, period, steps, eval_step)
 
   def _save(self, state: trainer.TrainState, step: int) -> None:
     if not bool(_all_finite(state.params)):
       raise NonFiniteLossError(
-          f"Non-finite parameters after step {step}; stopping without saving, the last "
-          f"checkpoint (step {self.last_saved}) is intact.")
+        f"Non-finite parameters after step {step}; stopping without saving, the last "
+        f"checkpoint (step {self.last_saved}) is intact."
+      )
     meta = {
-        "rng": [int(x) for x in np.asarray(jax.device_get(self.setup.rng)).ravel()],
-        "data_batches_consumed": self.train_iter.batches_consumed,
-        checkpoints.MODEL_CONFIG_KEY: dataclasses.asdict(self.setup.model_config),
+      "rng": [int(x) for x in np.asarray(jax.device_get(self.setup.rng)).ravel()],
+      "data_batches_consumed": self.train_iter.batches_consumed,
+      checkpoints.MODEL_CONFIG_KEY: dataclasses.asdict(self.setup.model_config),
     }
     if self.ckpt.save(step, state.params, state.opt_state, meta, self.train_iter):
       self.last_saved = step
@@ -309,8 +343,11 @@ class _Loop:
     if step != self.last_saved and step > 0:
       self._save(state, step)
     self.ckpt.wait()  # the line below promises a complete checkpoint on disk
-    saved = (f"checkpoint {self.ckpt.directory}/{self.last_saved}"
-             if self.last_saved is not None else "no checkpoint")
+    saved = (
+      f"checkpoint {self.ckpt.directory}/{self.last_saved}"
+      if self.last_saved is not None
+      else "no checkpoint"
+    )
     if stop:
       logging.warning("Stopped by %s at step %d; %s.", stop.signal_name, step, saved)
     else:
@@ -335,25 +372,25 @@ class _Loop:
 
 @gin.configurable(denylist=["stop"])
 def train(
-    *,
-    model_dir: str = gin.REQUIRED,
-    total_steps: int = gin.REQUIRED,
-    train_dataset_cfg: data.DatasetConfig = gin.REQUIRED,
-    optimizer: optimizers.Optimizer = gin.REQUIRED,
-    model: models.EncoderDecoderModel | None = None,
-    eval_dataset_cfg: data.DatasetConfig | None = None,
-    eval_period: int = 0,
-    eval_steps: int = 10,
-    infer_eval_period: int = 0,
-    log_period: int = 10,
-    random_seed: int = 0,
-    num_microbatches: int = 1,
-    num_partitions: int = 1,
-    fsdp: bool = False,
-    initial_checkpoint_path: str | None = None,
-    initial_checkpoint_dtype: str | None = None,
-    data_checkpoint_mode: str = "iterator",
-    stop: StopRequest | None = None,
+  *,
+  model_dir: str = gin.REQUIRED,
+  total_steps: int = gin.REQUIRED,
+  train_dataset_cfg: data.DatasetConfig = gin.REQUIRED,
+  optimizer: optimizers.Optimizer = gin.REQUIRED,
+  model: models.EncoderDecoderModel | None = None,
+  eval_dataset_cfg: data.DatasetConfig | None = None,
+  eval_period: int = 0,
+  eval_steps: int = 10,
+  infer_eval_period: int = 0,
+  log_period: int = 10,
+  random_seed: int = 0,
+  num_microbatches: int = 1,
+  num_partitions: int = 1,
+  fsdp: bool = False,
+  initial_checkpoint_path: str | None = None,
+  initial_checkpoint_dtype: str | None = None,
+  data_checkpoint_mode: str = "iterator",
+  stop: StopRequest | None = None,
 ) -> trainer.TrainState:
   """Trains until `total_steps`, resuming from MODEL_DIR when it has a checkpoint.
 
@@ -398,19 +435,41 @@ def train(
     if jax.process_index() == 0:  # every host reads the same first examples: report once
       data.log_truncation(train_dataset_cfg)  # warns when examples exceed the feature lengths
     train_iter = data.train_iterator(
-        train_dataset_cfg, partitioning.batch_sharding(mesh), data_checkpoint_mode)
+      train_dataset_cfg, partitioning.batch_sharding(mesh), data_checkpoint_mode
+    )
     setup = _setup_state(
-        model, optimizer, data.model_input_shapes(train_dataset_cfg), ckpt, train_iter,
-        mesh, rules, random_seed=random_seed,
-        initial_checkpoint_path=initial_checkpoint_path,
-        initial_checkpoint_dtype=initial_checkpoint_dtype)
-    loop = _Loop(model, optimizer, setup, ckpt, train_iter, model_dir, total_steps,
-                 train_dataset_cfg, num_microbatches, log_period)
+      model,
+      optimizer,
+      data.model_input_shapes(train_dataset_cfg),
+      ckpt,
+      train_iter,
+      mesh,
+      rules,
+      random_seed=random_seed,
+      initial_checkpoint_path=initial_checkpoint_path,
+      initial_checkpoint_dtype=initial_checkpoint_dtype,
+    )
+    loop = _Loop(
+      model,
+      optimizer,
+      setup,
+      ckpt,
+      train_iter,
+      model_dir,
+      total_steps,
+      train_dataset_cfg,
+      num_microbatches,
+      log_period,
+    )
     if eval_dataset_cfg is not None and eval_period > 0:
       loop.enable_eval(eval_dataset_cfg, eval_period, eval_steps)
     if infer_eval_period > 0:
-      loop.infer_eval = (infer_eval_period, evaluation.training_evaluator(
-          model, mesh, rules, setup.shardings.params, eval_dataset_cfg, model_dir))
+      loop.infer_eval = (
+        infer_eval_period,
+        evaluation.training_evaluator(
+          model, mesh, rules, setup.shardings.params, eval_dataset_cfg, model_dir
+        ),
+      )
     write_operative_config(model_dir)
     del train_iter  # `loop` holds the only reference, which `release_input` hands off
     stack.callback(loop.release_input)

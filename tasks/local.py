@@ -24,76 +24,76 @@ _RTE_LABELS = {"entailment": "entailment", "not_entailment": "not_entailment"}
 
 
 def _glue_task(
-    name: str, directory: str, fields: tuple[str, ...], labels: dict[str, str], metrics
+  name: str, directory: str, fields: tuple[str, ...], labels: dict[str, str], metrics
 ) -> None:
-    seqio.TaskRegistry.add(
-        f"local_glue_{name}",
-        source=file_sources.TsvSource(
-            {"train": f"{directory}/train.tsv", "validation": f"{directory}/dev.tsv"}
-        ),
-        preprocessors=preprocessors.supervised_preprocessors(
-            functools.partial(
-                preprocessors.text_to_text, prefix=name, feature_names=fields, label_names=labels
-            )
-        ),
-        output_features=preprocessors.text_to_text_features(),
-        postprocess_fn=glue.glue_postprocessor(list(labels.values())),
-        metric_fns=metrics,
-    )
+  seqio.TaskRegistry.add(
+    f"local_glue_{name}",
+    source=file_sources.TsvSource(
+      {"train": f"{directory}/train.tsv", "validation": f"{directory}/dev.tsv"}
+    ),
+    preprocessors=preprocessors.supervised_preprocessors(
+      functools.partial(
+        preprocessors.text_to_text, prefix=name, feature_names=fields, label_names=labels
+      )
+    ),
+    output_features=preprocessors.text_to_text_features(),
+    postprocess_fn=glue.glue_postprocessor(list(labels.values())),
+    metric_fns=metrics,
+  )
 
 
 _glue_task("sst2", "glue/SST-2", ("sentence",), _SST2_LABELS, [task_metrics.accuracy])
 _glue_task("rte", "glue/RTE", ("sentence1", "sentence2"), _RTE_LABELS, [task_metrics.accuracy])
 
 seqio.TaskRegistry.add(
-    "local_multi30k_ende",
-    source=file_sources.ParallelTextSource(
-        {
-            split: (f"multi30k_en_de/{prefix}.en.gz", f"multi30k_en_de/{prefix}.de.gz")
-            for split, prefix in (
-                ("train", "train"),
-                ("validation", "val"),
-                ("test", "test_2016_flickr"),
-            )
-        },
-        source_key="en",
-        target_key="de",
-    ),
-    preprocessors=wmt.EN_TO_DE_PREPROCESSORS,
-    output_features=preprocessors.text_to_text_features(),
-    metric_fns=[task_metrics.bleu],
+  "local_multi30k_ende",
+  source=file_sources.ParallelTextSource(
+    {
+      split: (f"multi30k_en_de/{prefix}.en.gz", f"multi30k_en_de/{prefix}.de.gz")
+      for split, prefix in (
+        ("train", "train"),
+        ("validation", "val"),
+        ("test", "test_2016_flickr"),
+      )
+    },
+    source_key="en",
+    target_key="de",
+  ),
+  preprocessors=wmt.EN_TO_DE_PREPROCESSORS,
+  output_features=preprocessors.text_to_text_features(),
+  metric_fns=[task_metrics.bleu],
 )
 
 seqio.TaskRegistry.add(
-    "local_scitldr_a",
-    source=file_sources.JsonlSource(
-        {
-            split: f"scitldr_a/{split_file}.jsonl"
-            for split, split_file in (("train", "train"), ("validation", "dev"), ("test", "test"))
-        },
-        fields={"source": "source", "target": "target"},
-        list_policy={"source": "join", "target": "first"},
-    ),
-    preprocessors=preprocessors.supervised_preprocessors(
-        functools.partial(
-            preprocessors.prefixed_pair,
-            prefix="summarize: ",
-            source_key="source",
-            target_key="target",
-        )
-    ),
-    output_features=preprocessors.text_to_text_features(),
-    metric_fns=[task_metrics.rouge],
+  "local_scitldr_a",
+  source=file_sources.JsonlSource(
+    {
+      split: f"scitldr_a/{split_file}.jsonl"
+      for split, split_file in (("train", "train"), ("validation", "dev"), ("test", "test"))
+    },
+    fields={"source": "source", "target": "target"},
+    list_policy={"source": "join", "target": "first"},
+  ),
+  preprocessors=preprocessors.supervised_preprocessors(
+    functools.partial(
+      preprocessors.prefixed_pair,
+      prefix="summarize: ",
+      source_key="source",
+      target_key="target",
+    )
+  ),
+  output_features=preprocessors.text_to_text_features(),
+  metric_fns=[task_metrics.rouge],
 )
 
 for _name, _splits in (
-    ("tinyshakespeare", {"train": "tinyshakespeare/input.txt"}),
-    ("wikitext2", {"validation": "wikitext2/valid.txt", "test": "wikitext2/test.txt"}),
+  ("tinyshakespeare", {"train": "tinyshakespeare/input.txt"}),
+  ("wikitext2", {"validation": "wikitext2/valid.txt", "test": "wikitext2/test.txt"}),
 ):
-    seqio.TaskRegistry.add(
-        f"local_{_name}_span_corruption",
-        source=file_sources.TextLinesSource(_splits),
-        preprocessors=preprocessors.unsupervised_preprocessors("span_corruption"),
-        output_features=preprocessors.text_to_text_features(),
-        metric_fns=[],
-    )
+  seqio.TaskRegistry.add(
+    f"local_{_name}_span_corruption",
+    source=file_sources.TextLinesSource(_splits),
+    preprocessors=preprocessors.unsupervised_preprocessors("span_corruption"),
+    output_features=preprocessors.text_to_text_features(),
+    metric_fns=[],
+  )

@@ -19,39 +19,39 @@ QUICKSTART_FEATURE_LENGTHS = {"inputs": 128, "targets": 32}
 
 
 def _prose(split: str) -> dict[str, list[str]]:
-    return {"text": list(text_sources.prose(split))}
+  return {"text": list(text_sources.prose(split))}
 
 
 def _code_docstring_pairs(split: str) -> dict[str, list[str]]:
-    pairs = text_sources.docstring_pairs(split)
-    return {"code": [code for code, _ in pairs], "docstring": [doc for _, doc in pairs]}
+  pairs = text_sources.docstring_pairs(split)
+  return {"code": [code for code, _ in pairs], "docstring": [doc for _, doc in pairs]}
 
 
 seqio.TaskRegistry.add(
-    "cpython_span_corruption",
-    source=file_sources.InMemorySource(_prose, splits=text_sources.SPLITS),
-    preprocessors=preprocessors.unsupervised_preprocessors("span_corruption"),
-    output_features=preprocessors.text_to_text_features(),
-    metric_fns=[],
+  "cpython_span_corruption",
+  source=file_sources.InMemorySource(_prose, splits=text_sources.SPLITS),
+  preprocessors=preprocessors.unsupervised_preprocessors("span_corruption"),
+  output_features=preprocessors.text_to_text_features(),
+  metric_fns=[],
 )
 
 seqio.TaskRegistry.add(
-    "cpython_code_to_docstring",
-    source=file_sources.InMemorySource(_code_docstring_pairs, splits=text_sources.SPLITS),
-    preprocessors=preprocessors.supervised_preprocessors(
-        functools.partial(
-            preprocessors.prefixed_pair,
-            prefix="summarize python: ",
-            source_key="code",
-            target_key="docstring",
-        )
-    ),
-    output_features=preprocessors.text_to_text_features(),
-    metric_fns=[task_metrics.rouge],
+  "cpython_code_to_docstring",
+  source=file_sources.InMemorySource(_code_docstring_pairs, splits=text_sources.SPLITS),
+  preprocessors=preprocessors.supervised_preprocessors(
+    functools.partial(
+      preprocessors.prefixed_pair,
+      prefix="summarize python: ",
+      source_key="code",
+      target_key="docstring",
+    )
+  ),
+  output_features=preprocessors.text_to_text_features(),
+  metric_fns=[task_metrics.rouge],
 )
 
 seqio.MixtureRegistry.add(
-    "quickstart",
-    ["cpython_span_corruption", "cpython_code_to_docstring"],
-    default_rate=mixing.temperature_rate,
+  "quickstart",
+  ["cpython_span_corruption", "cpython_code_to_docstring"],
+  default_rate=mixing.temperature_rate,
 )

@@ -21,12 +21,25 @@ pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 RATES = (
-    "train_tokens_per_s", "hf_train_tokens_per_s", "train_mfu", "hf_train_mfu",
-    "greedy_tokens_per_s", "hf_greedy_tokens_per_s", "beam_tokens_per_s",
-    "hf_beam_tokens_per_s", "jax_peak_flops", "torch_peak_flops", "train_compile_s",
-    "train_speedup_vs_hf", "greedy_speedup_vs_hf", "beam_speedup_vs_hf",
-    "data_examples_per_s", "train_examples_per_s", "data_vs_train_consumption",
-    "max_rss_mib", "max_rss_mib_ours",
+  "train_tokens_per_s",
+  "hf_train_tokens_per_s",
+  "train_mfu",
+  "hf_train_mfu",
+  "greedy_tokens_per_s",
+  "hf_greedy_tokens_per_s",
+  "beam_tokens_per_s",
+  "hf_beam_tokens_per_s",
+  "jax_peak_flops",
+  "torch_peak_flops",
+  "train_compile_s",
+  "train_speedup_vs_hf",
+  "greedy_speedup_vs_hf",
+  "beam_speedup_vs_hf",
+  "data_examples_per_s",
+  "train_examples_per_s",
+  "data_vs_train_consumption",
+  "max_rss_mib",
+  "max_rss_mib_ours",
 )
 
 
@@ -36,11 +49,29 @@ def result(tmp_path_factory) -> tuple[dict, str]:
   env = dict(os.environ)
   env.pop("XLA_FLAGS", None)  # the tool runs on the real (single) CPU device
   proc = subprocess.run(
-      [sys.executable, str(REPO / "tools" / "benchmark.py"),
-       "--gin_file=models/t5_1_1/tiny.gin", "--batch_size=2", "--input_length=16",
-       "--target_length=8", "--decode_length=3", "--num_beams=2", "--reps=2", "--warmup=1",
-       "--matmul_size=128", "--data_batches=2", "--compare_hf", f"--json={out}"],
-      cwd=REPO, env=env, capture_output=True, text=True, timeout=900, check=False)
+    [
+      sys.executable,
+      str(REPO / "tools" / "benchmark.py"),
+      "--gin_file=models/t5_1_1/tiny.gin",
+      "--batch_size=2",
+      "--input_length=16",
+      "--target_length=8",
+      "--decode_length=3",
+      "--num_beams=2",
+      "--reps=2",
+      "--warmup=1",
+      "--matmul_size=128",
+      "--data_batches=2",
+      "--compare_hf",
+      f"--json={out}",
+    ],
+    cwd=REPO,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=900,
+    check=False,
+  )
   assert proc.returncode == 0, proc.stderr[-4000:]
   return json.loads(out.read_text()), proc.stdout
 
@@ -63,6 +94,11 @@ def test_same_model_both_sides(result):
 
 def test_table_printed(result):
   _, stdout = result
-  for label in ("train tokens/s", "greedy decode tokens/s", "beam decode tokens/s",
-                "train MFU", "data / train consumption"):
+  for label in (
+    "train tokens/s",
+    "greedy decode tokens/s",
+    "beam decode tokens/s",
+    "train MFU",
+    "data / train consumption",
+  ):
     assert label in stdout

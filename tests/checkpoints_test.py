@@ -22,8 +22,8 @@ def mesh() -> Mesh:
 
 def _params(scale: float = 1.0) -> dict:
   return {
-      "token_embedder": {"embedding": scale * jnp.arange(48.0).reshape(8, 6)},
-      "encoder": {"encoder_norm": {"scale": scale * jnp.ones((6,))}},
+    "token_embedder": {"embedding": scale * jnp.arange(48.0).reshape(8, 6)},
+    "encoder": {"encoder_norm": {"scale": scale * jnp.ones((6,))}},
   }
 
 
@@ -74,9 +74,11 @@ def test_save_keep_and_restore_into_target_shardings(tmp_path, mesh):
   restored = ckpt.restore(6, abstract_params, abstract_opt, iterator)
   ckpt.close()
   np.testing.assert_array_equal(
-      restored.params["token_embedder"]["embedding"], _params(6.0)["token_embedder"]["embedding"]
+    restored.params["token_embedder"]["embedding"], _params(6.0)["token_embedder"]["embedding"]
   )
-  assert restored.params["token_embedder"]["embedding"].sharding == NamedSharding(mesh, specs["token_embedder/embedding"])
+  assert restored.params["token_embedder"]["embedding"].sharding == NamedSharding(
+    mesh, specs["token_embedder/embedding"]
+  )
   assert jax.tree.structure(restored.opt_state) == jax.tree.structure(abstract_opt)
   assert restored.meta == {"rng": [0, 6], "step": 6}
   assert iterator.position == 6
@@ -94,8 +96,8 @@ def test_existing_step_is_not_overwritten(tmp_path):
 def test_different_model_lists_paths_and_shapes(tmp_path, mesh):
   optimizer = _save_steps(tmp_path, [2])
   other = {
-      "token_embedder": {"embedding": jnp.zeros((8, 4))},
-      "decoder": {"decoder_norm": {"scale": jnp.ones((4,))}},
+    "token_embedder": {"embedding": jnp.zeros((8, 4))},
+    "decoder": {"decoder_norm": {"scale": jnp.ones((4,))}},
   }
   ckpt = checkpoints.TrainCheckpointer(tmp_path)
   with pytest.raises(checkpoints.CheckpointMismatchError) as e:
@@ -141,8 +143,8 @@ def test_restore_params_for_finetuning_with_dtype_cast(tmp_path, mesh):
   assert params["token_embedder"]["embedding"].dtype == jnp.bfloat16
   assert params["token_embedder"]["embedding"].sharding.spec == P("model")
   np.testing.assert_array_equal(
-      np.asarray(params["token_embedder"]["embedding"], np.float32),
-      np.asarray(_params(4.0)["token_embedder"]["embedding"]),
+    np.asarray(params["token_embedder"]["embedding"], np.float32),
+    np.asarray(_params(4.0)["token_embedder"]["embedding"]),
   )
   older = checkpoints.restore_params(tmp_path / "2", _abstract(_params(), mesh))
   assert float(older["encoder"]["encoder_norm"]["scale"][0]) == 2.0
@@ -152,12 +154,17 @@ def test_restore_params_names_missing_parameter(tmp_path, mesh):
   _save_steps(tmp_path, [2])
   wanted = _params()
   wanted["decoder"] = {"logits_dense": {"kernel": jnp.zeros((6, 8))}}
-  with pytest.raises(checkpoints.CheckpointMismatchError, match=r"missing in checkpoint: decoder/logits_dense/kernel \(6, 8\)"):
+  with pytest.raises(
+    checkpoints.CheckpointMismatchError,
+    match=r"missing in checkpoint: decoder/logits_dense/kernel \(6, 8\)",
+  ):
     checkpoints.restore_params(tmp_path, _abstract(wanted, mesh))
 
 
 def test_params_only_checkpoint_round_trip(tmp_path, mesh):
-  step_dir = checkpoints.write_params_checkpoint(tmp_path / "converted", _params(3.0), config={"emb_dim": 6})
+  step_dir = checkpoints.write_params_checkpoint(
+    tmp_path / "converted", _params(3.0), config={"emb_dim": 6}
+  )
   assert step_dir == (tmp_path / "converted" / "0")
   assert json.loads((step_dir / "config" / "metadata").read_text()) == {"emb_dim": 6}
   params = checkpoints.restore_params(tmp_path / "converted", _abstract(_params(), mesh))
@@ -166,10 +173,15 @@ def test_params_only_checkpoint_round_trip(tmp_path, mesh):
 
 def test_missing_checkpoint_is_a_user_error_naming_the_path(tmp_path, mesh, monkeypatch):
   monkeypatch.chdir(tmp_path)
-  with pytest.raises(UserError, match=f"No checkpoint at nowhere \\({tmp_path}/nowhere\\): it does not exist"):
+  with pytest.raises(
+    UserError, match=f"No checkpoint at nowhere \\({tmp_path}/nowhere\\): it does not exist"
+  ):
     checkpoints.restore_params("nowhere", _abstract(_params(), mesh))
   (tmp_path / "empty").mkdir()
-  with pytest.raises(CheckpointError, match=f"No checkpoint at empty \\({tmp_path}/empty\\): expected a step directory with params/"):
+  with pytest.raises(
+    CheckpointError,
+    match=f"No checkpoint at empty \\({tmp_path}/empty\\): expected a step directory with params/",
+  ):
     checkpoints.resolve_step_dir("empty")
   _save_steps(tmp_path / "run", [2])
   with pytest.raises(CheckpointError, match=r"Step 4 not in run \(.*/run\) \(have \[2\]\)"):
@@ -191,7 +203,9 @@ def test_relative_paths_are_taken_from_the_working_directory(tmp_path, mesh, mon
 def test_model_dir_that_is_a_file_is_named(tmp_path, monkeypatch):
   monkeypatch.chdir(tmp_path)
   (tmp_path / "x").write_text("not a directory")
-  with pytest.raises(CheckpointError, match=f"MODEL_DIR ./x \\({tmp_path}/x\\) is a file, not a directory"):
+  with pytest.raises(
+    CheckpointError, match=f"MODEL_DIR ./x \\({tmp_path}/x\\) is a file, not a directory"
+  ):
     checkpoints.TrainCheckpointer("./x")
   with pytest.raises(CheckpointError, match=f"x/run .*cannot be created: {tmp_path}/x is a file"):
     checkpoints.TrainCheckpointer("x/run")
@@ -200,7 +214,9 @@ def test_model_dir_that_is_a_file_is_named(tmp_path, monkeypatch):
 
 
 def _first_params_file(step_dir) -> str:
-  return sorted(n for n in json.loads((step_dir / FILE_MANIFEST).read_text()) if n.startswith("params/"))[0]
+  return sorted(
+    n for n in json.loads((step_dir / FILE_MANIFEST).read_text()) if n.startswith("params/")
+  )[0]
 
 
 def _truncate_listed_file(step_dir) -> str:
@@ -222,21 +238,28 @@ def test_restore_params_of_a_root_falls_back_to_the_newest_intact_step(tmp_path,
   params = checkpoints.restore_params(tmp_path, _abstract(_params(), mesh))
   assert float(params["encoder"]["encoder_norm"]["scale"][0]) == 2.0
   [warning] = [r.getMessage() for r in caplog.records if "CORRUPT" in r.getMessage()]
-  assert "CORRUPT CHECKPOINT STEPS 6, 4 skipped" in warning and f"using step 2 of {tmp_path}" in warning
+  assert (
+    "CORRUPT CHECKPOINT STEPS 6, 4 skipped" in warning and f"using step 2 of {tmp_path}" in warning
+  )
   assert bad[0] in warning and bad[1] in warning
   with pytest.raises(CorruptCheckpointError, match=bad[0]):  # an explicit step: no fallback
     checkpoints.restore_params(tmp_path / "6", _abstract(_params(), mesh))
   with pytest.raises(CorruptCheckpointError, match=bad[1]):
     checkpoints.restore_params(tmp_path, _abstract(_params(), mesh), step=4)
   _truncate_listed_file(tmp_path / "2")
-  with pytest.raises(CorruptCheckpointError, match=f"No intact checkpoint step in {tmp_path}: step 6: .*step 4: .*step 2: "):
+  with pytest.raises(
+    CorruptCheckpointError,
+    match=f"No intact checkpoint step in {tmp_path}: step 6: .*step 4: .*step 2: ",
+  ):
     checkpoints.resolve_step_dir(tmp_path)
   del before[Path("2") / _first_params_file(tmp_path / "2")]
   after = _snapshot(tmp_path)
   assert all(after[k] == v for k, v in before.items())  # nothing else touched
 
 
-def test_training_restore_falls_back_and_sets_the_corrupt_step_aside_on_save(tmp_path, mesh, caplog):
+def test_training_restore_falls_back_and_sets_the_corrupt_step_aside_on_save(
+  tmp_path, mesh, caplog
+):
   optimizer = _save_steps(tmp_path, [2, 4], keep=3)
   bad = _truncate_listed_file(tmp_path / "4")
   corrupt = _snapshot(tmp_path / "4")
@@ -247,7 +270,7 @@ def test_training_restore_falls_back_and_sets_the_corrupt_step_aside_on_save(tmp
   restored = ckpt.restore_latest(abstract_params, abstract_opt, iterator)
   assert restored.step == 2 and iterator.position == 2 and restored.meta["step"] == 2
   assert ckpt.latest_step() == 2  # the train loop's last good save
-  assert f"CORRUPT CHECKPOINT STEP 4 skipped (step 4: " in caplog.text and bad in caplog.text
+  assert "CORRUPT CHECKPOINT STEP 4 skipped (step 4: " in caplog.text and bad in caplog.text
   assert "using step 2" in caplog.text
   assert _snapshot(tmp_path / "4") == corrupt  # restoring leaves it as it is
 
@@ -269,6 +292,7 @@ def test_training_restore_without_an_intact_step_names_every_bad_file(tmp_path, 
   bad = [_truncate_listed_file(tmp_path / str(step)) for step in (4, 2)]
   ckpt = checkpoints.TrainCheckpointer(tmp_path)
   with pytest.raises(CorruptCheckpointError, match=f"step 4: .*{bad[0]}.*; step 2: .*{bad[1]}"):
-    ckpt.restore_latest(_abstract(_params(), mesh),
-                        _abstract(jax.eval_shape(optimizer.init, _params()), mesh))
+    ckpt.restore_latest(
+      _abstract(_params(), mesh), _abstract(jax.eval_shape(optimizer.init, _params()), mesh)
+    )
   ckpt.close()

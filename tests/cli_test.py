@@ -29,8 +29,7 @@ def test_data_dir_flag_sets_local_data_dir(tmp_path):
 
 def test_gin_shorthand_is_rewritten_into_bindings():
   argv = cli.rewrite_gin_args(["prog", "--gin.MODEL_DIR=./runs/x", "--gin.TRAIN_STEPS=5"])
-  assert argv == ["prog", "--gin_bindings=MODEL_DIR = './runs/x'",
-                  "--gin_bindings=TRAIN_STEPS = 5"]
+  assert argv == ["prog", "--gin_bindings=MODEL_DIR = './runs/x'", "--gin_bindings=TRAIN_STEPS = 5"]
 
 
 def test_cpu_xla_flags_are_added_without_overriding_the_users():
@@ -38,8 +37,9 @@ def test_cpu_xla_flags_are_added_without_overriding_the_users():
   assert cli.add_cpu_xla_flags(environ) == "--xla_cpu_experimental_ynn_fusion_type=-reduce"
   environ = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
   assert cli.add_cpu_xla_flags(environ).split() == [
-      "--xla_force_host_platform_device_count=8",
-      "--xla_cpu_experimental_ynn_fusion_type=-reduce"]
+    "--xla_force_host_platform_device_count=8",
+    "--xla_cpu_experimental_ynn_fusion_type=-reduce",
+  ]
   # A value the user chose is kept, and a second call adds nothing.
   environ = {"XLA_FLAGS": "--xla_cpu_experimental_ynn_fusion_type="}
   assert cli.add_cpu_xla_flags(environ) == "--xla_cpu_experimental_ynn_fusion_type="
@@ -75,14 +75,17 @@ def test_required_macro_reset_by_a_later_file_is_named():
   gin.clear_config()
   try:
     cli.parse_gin(["quickstart.gin", "runs/finetune.gin"], [])
-    with pytest.raises(errors.ConfigError, match=r"INITIAL_CHECKPOINT_PATH, .*TASK_FEATURE_LENGTHS"):
+    with pytest.raises(
+      errors.ConfigError, match=r"INITIAL_CHECKPOINT_PATH, .*TASK_FEATURE_LENGTHS"
+    ):
       cli.check_required_macros()
     gin.clear_config()
     cli.parse_gin(["quickstart.gin"], [])
     cli.check_required_macros()  # everything set
     gin.clear_config()
-    cli.parse_gin(["runs/pretrain.gin"], ["MIXTURE_OR_TASK_NAME = 'x'",
-                                          "TASK_FEATURE_LENGTHS = {'inputs': 8}"])
+    cli.parse_gin(
+      ["runs/pretrain.gin"], ["MIXTURE_OR_TASK_NAME = 'x'", "TASK_FEATURE_LENGTHS = {'inputs': 8}"]
+    )
     cli.check_required_macros(optional=("MODEL_DIR", "TRAIN_STEPS"))  # --precompile
     with pytest.raises(errors.ConfigError, match="MODEL_DIR, TRAIN_STEPS are required"):
       cli.check_required_macros()
@@ -103,8 +106,13 @@ def test_task_modules_are_found_in_the_working_directory(tmp_path, monkeypatch):
   (tmp_path / "cli_test_macro_tasks.py").write_text("REGISTERED = True\n")
   gin.clear_config()
   flags.FLAGS.unparse_flags()
-  flags.FLAGS(["prog", "--gin_file=quickstart.gin",
-               "--gin_bindings=MIXTURE_OR_TASK_MODULE = 'cli_test_macro_tasks'"])
+  flags.FLAGS(
+    [
+      "prog",
+      "--gin_file=quickstart.gin",
+      "--gin_bindings=MIXTURE_OR_TASK_MODULE = 'cli_test_macro_tasks'",
+    ]
+  )
   try:
     cli.setup()
     assert sys.modules["cli_test_macro_tasks"].REGISTERED
@@ -114,21 +122,35 @@ def test_task_modules_are_found_in_the_working_directory(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("args, message", [
-    (["--gin_file=quickstart.gin", "--gin.train.total_stpes=3"],
-     "ERROR: Configurable 'train' doesn't have a parameter named 'total_stpes'"),
-    (["--gin_file=quickstart.gin", "--gin_file=runs/finetune.gin"],
-     "ERROR: gin macros INITIAL_CHECKPOINT_PATH, MIXTURE_OR_TASK_NAME, MODEL_DIR, "
-     "TASK_FEATURE_LENGTHS, TRAIN_STEPS are required (%gin.REQUIRED) but never set"),
+@pytest.mark.parametrize(
+  "args, message",
+  [
+    (
+      ["--gin_file=quickstart.gin", "--gin.train.total_stpes=3"],
+      "ERROR: Configurable 'train' doesn't have a parameter named 'total_stpes'",
+    ),
+    (
+      ["--gin_file=quickstart.gin", "--gin_file=runs/finetune.gin"],
+      "ERROR: gin macros INITIAL_CHECKPOINT_PATH, MIXTURE_OR_TASK_NAME, MODEL_DIR, "
+      "TASK_FEATURE_LENGTHS, TRAIN_STEPS are required (%gin.REQUIRED) but never set",
+    ),
     (["--gin_file=no_such.gin"], "ERROR: gin file not found: no_such.gin"),
-    (["--gin_file=quickstart.gin", "--module_import=cli_test_no_such_module"],
-     "ERROR: --module_import=cli_test_no_such_module: no module"),
-])
+    (
+      ["--gin_file=quickstart.gin", "--module_import=cli_test_no_such_module"],
+      "ERROR: --module_import=cli_test_no_such_module: no module",
+    ),
+  ],
+)
 def test_entry_point_reports_bad_input_in_one_line(tmp_path, args, message):
   (tmp_path / "runs").mkdir()
-  result = subprocess.run([sys.executable, "-m", "t5x_lite.train", *args], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=300,
-                          env=dict(os.environ, PYTHONPATH=REPO))
+  result = subprocess.run(
+    [sys.executable, "-m", "t5x_lite.train", *args],
+    cwd=tmp_path,
+    capture_output=True,
+    text=True,
+    timeout=300,
+    env=dict(os.environ, PYTHONPATH=REPO),
+  )
   assert result.returncode == 1, result.stderr[-2000:]
   assert "Traceback" not in result.stderr, result.stderr[-2000:]
   assert result.stderr.strip().splitlines()[-1].startswith(message), result.stderr[-2000:]

@@ -18,16 +18,25 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def _python(code: str, **env: str) -> subprocess.CompletedProcess:
   """Runs `code` in a fresh interpreter whose environment lacks TF_CPP_MIN_LOG_LEVEL."""
   environ = {k: v for k, v in os.environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"}
-  return subprocess.run([sys.executable, "-c", code], cwd=REPO, env={**environ, **env},
-                        capture_output=True, text=True, timeout=300, check=False)
+  return subprocess.run(
+    [sys.executable, "-c", code],
+    cwd=REPO,
+    env={**environ, **env},
+    capture_output=True,
+    text=True,
+    timeout=300,
+    check=False,
+  )
 
 
 def test_defaults_fill_only_what_the_user_left_unset():
   assert console.default_environment({}, accelerator=False) == {
-      "TF_CPP_MIN_LOG_LEVEL": "2", "TF_ENABLED_DEVICE_TYPES": "CPU", "JAX_PLATFORMS": "cpu"}
+    "TF_CPP_MIN_LOG_LEVEL": "2",
+    "TF_ENABLED_DEVICE_TYPES": "CPU",
+    "JAX_PLATFORMS": "cpu",
+  }
   user = {"TF_CPP_MIN_LOG_LEVEL": "0", "JAX_PLATFORMS": ""}  # empty counts as set
-  assert console.default_environment(user, accelerator=False) == {
-      "TF_ENABLED_DEVICE_TYPES": "CPU"}
+  assert console.default_environment(user, accelerator=False) == {"TF_ENABLED_DEVICE_TYPES": "CPU"}
 
 
 def test_jax_chooses_its_platform_where_an_accelerator_may_exist():
@@ -36,22 +45,26 @@ def test_jax_chooses_its_platform_where_an_accelerator_may_exist():
 
 @pytest.mark.slow
 def test_filter_drops_matching_lines_of_native_and_python_writes():
-  code = ("import os, sys\nfrom t5x_lite import console\n"
-          "with console.native_stderr_without(('cudart_stub.cc', 'noise')):\n"
-          "  os.write(2, b'kept 1\\nI0000 cudart_stub.cc:31] Could not find cuda drivers\\n')\n"
-          "  print('some noise', file=sys.stderr)\n"
-          "  print('kept 2', file=sys.stderr)\n"
-          "print('kept 3', file=sys.stderr)\n")
+  code = (
+    "import os, sys\nfrom t5x_lite import console\n"
+    "with console.native_stderr_without(('cudart_stub.cc', 'noise')):\n"
+    "  os.write(2, b'kept 1\\nI0000 cudart_stub.cc:31] Could not find cuda drivers\\n')\n"
+    "  print('some noise', file=sys.stderr)\n"
+    "  print('kept 2', file=sys.stderr)\n"
+    "print('kept 3', file=sys.stderr)\n"
+  )
   result = _python(code)
   assert result.returncode == 0 and result.stderr == "kept 1\nkept 2\nkept 3\n", result.stderr
 
 
 @pytest.mark.slow
 def test_lines_before_a_crash_inside_the_filter_still_show():
-  crash = ("import os\nfrom t5x_lite import console\n"
-           "with console.native_stderr_without(('noise',)):\n"
-           "  os.write(2, b'noise\\nF0000 the real problem\\n')\n"
-           "  os.abort()\n")
+  crash = (
+    "import os\nfrom t5x_lite import console\n"
+    "with console.native_stderr_without(('noise',)):\n"
+    "  os.write(2, b'noise\\nF0000 the real problem\\n')\n"
+    "  os.abort()\n"
+  )
   result = _python(crash)
   assert result.returncode != 0
   assert "F0000 the real problem" in result.stderr and "noise" not in result.stderr

@@ -23,7 +23,7 @@ def _source(split: str, shuffle_files: bool, seed: int | None = None) -> tf.data
   n = NUM_TRAIN if split == "train" else NUM_VALIDATION
   texts = [f"{split} example {i} " + "x" * (i % 7) for i in range(n)]
   return tf.data.Dataset.from_tensor_slices(
-      {"inputs": texts, "targets": [t.upper() for t in texts]}
+    {"inputs": texts, "targets": [t.upper() for t in texts]}
   )
 
 
@@ -33,10 +33,12 @@ NUM_SENTENCES = 8
 
 def _sentences(split: str, shuffle_files: bool, seed: int | None = None) -> tf.data.Dataset:
   del split, shuffle_files, seed
-  return tf.data.Dataset.from_tensor_slices({
+  return tf.data.Dataset.from_tensor_slices(
+    {
       "sentence": ["x" * (10 * i) for i in range(NUM_SENTENCES)],
       "lbl": ["yes" * i for i in range(NUM_SENTENCES)],
-  })
+    }
+  )
 
 
 def _select(dataset: tf.data.Dataset, key: str) -> tf.data.Dataset:
@@ -47,23 +49,26 @@ _vocab = seqio.ByteVocabulary()
 _FEATURES = {"inputs": seqio.Feature(_vocab), "targets": seqio.Feature(_vocab)}
 # name: preprocessors over _sentences.
 _SENTENCE_TASKS = {
-    "data_test_pairs": preprocessors.supervised_preprocessors(
-        functools.partial(_select, key="lbl")),
-    "data_test_text_to_text": preprocessors.supervised_preprocessors(functools.partial(
-        preprocessors.text_to_text, prefix="s", feature_names=("sentence",))),
-    "data_test_own_preprocessor": [functools.partial(_select, key="label")],
+  "data_test_pairs": preprocessors.supervised_preprocessors(functools.partial(_select, key="lbl")),
+  "data_test_text_to_text": preprocessors.supervised_preprocessors(
+    functools.partial(preprocessors.text_to_text, prefix="s", feature_names=("sentence",))
+  ),
+  "data_test_own_preprocessor": [functools.partial(_select, key="label")],
 }
 if TASK not in seqio.TaskRegistry.names():
   seqio.TaskRegistry.add(
-      TASK,
-      source=seqio.FunctionDataSource(_source, splits=["train", "validation"]),
-      preprocessors=[seqio.preprocessors.tokenize, seqio.preprocessors.append_eos],
-      output_features=_FEATURES,
+    TASK,
+    source=seqio.FunctionDataSource(_source, splits=["train", "validation"]),
+    preprocessors=[seqio.preprocessors.tokenize, seqio.preprocessors.append_eos],
+    output_features=_FEATURES,
   )
   for _name, _preprocessors in _SENTENCE_TASKS.items():
     seqio.TaskRegistry.add(
-        _name, source=seqio.FunctionDataSource(_sentences, splits=["train"]),
-        preprocessors=_preprocessors, output_features=_FEATURES)
+      _name,
+      source=seqio.FunctionDataSource(_sentences, splits=["train"]),
+      preprocessors=_preprocessors,
+      output_features=_FEATURES,
+    )
   seqio.MixtureRegistry.add("data_test_mix", [TASK, "data_test_text_to_text"], default_rate=1.0)
 
 
@@ -75,10 +80,10 @@ def sharding() -> NamedSharding:
 
 def _config(**overrides) -> data.DatasetConfig:
   config = data.DatasetConfig(
-      mixture_or_task_name=TASK,
-      task_feature_lengths={"inputs": 64, "targets": 64},
-      batch_size=8,
-      seed=7,
+    mixture_or_task_name=TASK,
+    task_feature_lengths={"inputs": 64, "targets": 64},
+    batch_size=8,
+    seed=7,
   )
   return dataclasses.replace(config, **overrides)
 
@@ -102,9 +107,14 @@ def _assert_same(a: list[dict], b: list[dict]) -> None:
 def test_train_batches_are_global_and_sharded_over_data(sharding):
   batch = next(data.train_iterator(_config(), sharding))
   expected = {
-      "encoder_input_tokens", "encoder_segment_ids", "encoder_positions",
-      "decoder_input_tokens", "decoder_target_tokens", "decoder_loss_weights",
-      "decoder_segment_ids", "decoder_positions",
+    "encoder_input_tokens",
+    "encoder_segment_ids",
+    "encoder_positions",
+    "decoder_input_tokens",
+    "decoder_target_tokens",
+    "decoder_loss_weights",
+    "decoder_segment_ids",
+    "decoder_positions",
   }
   assert set(batch) == expected
   for value in batch.values():
@@ -117,10 +127,10 @@ def test_train_batches_are_global_and_sharded_over_data(sharding):
 def test_model_input_shapes_follow_feature_converter():
   shapes = data.model_input_shapes(_config(pack=False))
   assert shapes == {
-      "encoder_input_tokens": (8, 64),
-      "decoder_input_tokens": (8, 64),
-      "decoder_target_tokens": (8, 64),
-      "decoder_loss_weights": (8, 64),
+    "encoder_input_tokens": (8, 64),
+    "decoder_input_tokens": (8, 64),
+    "decoder_target_tokens": (8, 64),
+    "decoder_loss_weights": (8, 64),
   }
 
 
@@ -129,8 +139,8 @@ def test_same_seed_same_batches_other_seed_other_batches(sharding):
   _assert_same(first, _take(data.train_iterator(_config(), sharding), 3))
   other = _take(data.train_iterator(_config(seed=8), sharding), 3)
   assert not all(
-      np.array_equal(a["encoder_input_tokens"], b["encoder_input_tokens"])
-      for a, b in zip(first, other)
+    np.array_equal(a["encoder_input_tokens"], b["encoder_input_tokens"])
+    for a, b in zip(first, other)
   )
 
 
@@ -163,7 +173,7 @@ def test_eval_batches_fixed_count_unshuffled_zero_padded(sharding):
   again = [_as_numpy(b) for b in data.eval_batches(config, sharding, 3)]
   _assert_same(batches, again)
   first_input = seqio.ByteVocabulary().decode(
-      [int(t) for t in batches[0]["encoder_input_tokens"][0] if t > 1]
+    [int(t) for t in batches[0]["encoder_input_tokens"][0] if t > 1]
   )
   assert first_input.startswith("validation example 0 ")
 
@@ -178,20 +188,26 @@ def test_unknown_name_lists_closest_registered_names():
   with pytest.raises(ConfigError) as e:
     data.get_mixture_or_task("data_test_byte")
   assert str(e.value).startswith(
-      "No seqio task or mixture named 'data_test_byte' (closest: data_test_bytes")
+    "No seqio task or mixture named 'data_test_byte' (closest: data_test_bytes"
+  )
   assert "tools/show_task.py --list" in str(e.value)
   with pytest.raises(ConfigError, match="'data_test_mixture' \\(closest: data_test_mix"):
     _config(mixture_or_task_name="data_test_mixture")
   assert isinstance(data.get_mixture_or_task("data_test_mix"), seqio.Mixture)
 
 
-@pytest.mark.parametrize("name, preprocessor", [
+@pytest.mark.parametrize(
+  "name, preprocessor",
+  [
     ("data_test_text_to_text", "text_to_text"),
     ("data_test_own_preprocessor", "_select"),
-])
+  ],
+)
 def test_missing_feature_names_task_feature_and_columns(sharding, name, preprocessor):
-  expected = (f"Task {name}: preprocessor {preprocessor} asks for feature 'label', "
-              "but the source has columns ['sentence', 'lbl']")
+  expected = (
+    f"Task {name}: preprocessor {preprocessor} asks for feature 'label', "
+    "but the source has columns ['sentence', 'lbl']"
+  )
   with pytest.raises(ConfigError) as e:
     next(data.train_iterator(_config(mixture_or_task_name=name), sharding))
   assert str(e.value) == expected
@@ -208,15 +224,17 @@ def test_missing_feature_in_a_mixture_names_the_task(sharding):
 
 def test_truncation_report_counts_untrimmed_lengths(caplog):
   # Inputs of 10 * i bytes + EOS against 35 tokens: i = 4..7 are cut; targets 3 * i + 1 vs 16.
-  config = _config(mixture_or_task_name="data_test_pairs",
-                   task_feature_lengths={"inputs": 35, "targets": 16})
+  config = _config(
+    mixture_or_task_name="data_test_pairs", task_feature_lengths={"inputs": 35, "targets": 16}
+  )
   with caplog.at_level(logging.WARNING):
     report = data.log_truncation(config)
   inputs, targets = report["data_test_pairs"]["inputs"], report["data_test_pairs"]["targets"]
   assert (inputs.num_examples, inputs.num_truncated) == (NUM_SENTENCES, 4)
   assert (targets.num_examples, targets.num_truncated) == (NUM_SENTENCES, 2)
-  assert ("data_test_pairs: 4 of 8 examples (50.0%) have inputs longer than 35 tokens and "
-          "are truncated") in caplog.text
+  assert (
+    "data_test_pairs: 4 of 8 examples (50.0%) have inputs longer than 35 tokens and are truncated"
+  ) in caplog.text
   assert "data_test_pairs: 2 of 8 examples (25.0%) have targets" in caplog.text
   sample = data.truncation_report(config, num_examples=5)["data_test_pairs"]["inputs"]
   assert (sample.num_examples, sample.num_truncated) == (5, 1)

@@ -21,14 +21,25 @@ import pytest
 import seqio
 import tensorflow as tf
 
-from t5x_lite import (batch_inference, checkpoints, data, evaluation, inference, models, network,
-                      optimizers, partitioning, task_metrics, train_loop)
+from t5x_lite import (
+  batch_inference,
+  checkpoints,
+  data,
+  evaluation,
+  inference,
+  models,
+  network,
+  optimizers,
+  partitioning,
+  task_metrics,
+  train_loop,
+)
 from t5x_lite.checkpoint_files import FILE_MANIFEST, CheckpointError, CorruptCheckpointError
 from t5x_lite.errors import ConfigError
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VOCAB = seqio.ByteVocabulary()
-LABELED_TASK = "eval_test_labeled"   # accuracy (predictions) + mean_score (scores)
+LABELED_TASK = "eval_test_labeled"  # accuracy (predictions) + mean_score (scores)
 PLAIN_TASK = "eval_test_no_metrics"  # no metric fns: loss only
 MIXTURE = "eval_test_mixture"
 LENGTHS = {"inputs": 16, "targets": 8}
@@ -36,258 +47,333 @@ NUM_EXAMPLES = 12
 
 
 def _labeled(split: str, shuffle_files: bool, seed: int | None = None) -> tf.data.Dataset:
-    del split, shuffle_files, seed
-    words = ["yes" if i % 3 else "no" for i in range(NUM_EXAMPLES)]
-    return tf.data.Dataset.from_tensor_slices(
-        {"inputs": [f"q{i}: {w}?" for i, w in enumerate(words)], "targets": words})
+  del split, shuffle_files, seed
+  words = ["yes" if i % 3 else "no" for i in range(NUM_EXAMPLES)]
+  return tf.data.Dataset.from_tensor_slices(
+    {"inputs": [f"q{i}: {w}?" for i, w in enumerate(words)], "targets": words}
+  )
 
 
 def mean_score(targets, scores):
-    """A score metric: the mean target log-likelihood."""
-    del targets
-    return {"mean_score": float(np.mean(scores))}
+  """A score metric: the mean target log-likelihood."""
+  del targets
+  return {"mean_score": float(np.mean(scores))}
 
 
 def _features() -> dict[str, seqio.Feature]:
-    return {"inputs": seqio.Feature(VOCAB), "targets": seqio.Feature(VOCAB)}
+  return {"inputs": seqio.Feature(VOCAB), "targets": seqio.Feature(VOCAB)}
 
 
 _PREPROCESSORS = [seqio.preprocessors.tokenize, seqio.preprocessors.append_eos_after_trim]
 if LABELED_TASK not in seqio.TaskRegistry.names():
-    seqio.TaskRegistry.add(
-        LABELED_TASK, source=seqio.FunctionDataSource(_labeled, splits=["validation"]),
-        preprocessors=_PREPROCESSORS, output_features=_features(),
-        metric_fns=[task_metrics.accuracy, mean_score])
-    seqio.TaskRegistry.add(
-        PLAIN_TASK, source=seqio.FunctionDataSource(_labeled, splits=["validation"]),
-        preprocessors=_PREPROCESSORS, output_features=_features(), metric_fns=[])
-    seqio.MixtureRegistry.add(MIXTURE, [LABELED_TASK, PLAIN_TASK], default_rate=1.0)
+  seqio.TaskRegistry.add(
+    LABELED_TASK,
+    source=seqio.FunctionDataSource(_labeled, splits=["validation"]),
+    preprocessors=_PREPROCESSORS,
+    output_features=_features(),
+    metric_fns=[task_metrics.accuracy, mean_score],
+  )
+  seqio.TaskRegistry.add(
+    PLAIN_TASK,
+    source=seqio.FunctionDataSource(_labeled, splits=["validation"]),
+    preprocessors=_PREPROCESSORS,
+    output_features=_features(),
+    metric_fns=[],
+  )
+  seqio.MixtureRegistry.add(MIXTURE, [LABELED_TASK, PLAIN_TASK], default_rate=1.0)
 
 
 @pytest.fixture(autouse=True)
 def _clean_gin():
-    gin.clear_config()
-    yield
-    gin.clear_config()
+  gin.clear_config()
+  yield
+  gin.clear_config()
 
 
 class StubRunner:
-    """Predicts the targets themselves; scores each row -(its number of target tokens)."""
+  """Predicts the targets themselves; scores each row -(its number of target tokens)."""
 
-    batch_size = 8
+  batch_size = 8
 
-    def __init__(self):
-        self.rows_predicted = 0
+  def __init__(self):
+    self.rows_predicted = 0
 
-    def predict(self, params, batch):
-        del params
-        self.rows_predicted += len(batch["decoder_target_tokens"])
-        return batch["decoder_target_tokens"], np.zeros(len(batch["decoder_target_tokens"]))
+  def predict(self, params, batch):
+    del params
+    self.rows_predicted += len(batch["decoder_target_tokens"])
+    return batch["decoder_target_tokens"], np.zeros(len(batch["decoder_target_tokens"]))
 
-    def score(self, params, batch):
-        del params
-        return -(batch["decoder_target_tokens"] > 0).sum(axis=1).astype(np.float32)
+  def score(self, params, batch):
+    del params
+    return -(batch["decoder_target_tokens"] > 0).sum(axis=1).astype(np.float32)
 
 
 def _dataset_cfg(name: str = MIXTURE, **overrides) -> data.DatasetConfig:
-    fields = dict(mixture_or_task_name=name, task_feature_lengths=LENGTHS, batch_size=8,
-                  split="validation", shuffle=False, pack=False)
-    fields.update(overrides)
-    return data.DatasetConfig(**fields)
+  fields = dict(
+    mixture_or_task_name=name,
+    task_feature_lengths=LENGTHS,
+    batch_size=8,
+    split="validation",
+    shuffle=False,
+    pack=False,
+  )
+  fields.update(overrides)
+  return data.DatasetConfig(**fields)
 
 
 def test_metrics_of_predictions_scores_and_loss_only_task(tmp_path, caplog):
-    runner = StubRunner()
-    evaluator = evaluation.TaskEvaluator(runner, _dataset_cfg(), log_dir=str(tmp_path),
-                                         logger_cls=(evaluation.PredictionsJsonlLogger,))
-    assert "task eval_test_no_metrics has no metric functions" in caplog.text
-    results = evaluator.evaluate(params=None, step=7)
-    targets = [len(w) + 1 for w in ["yes" if i % 3 else "no" for i in range(NUM_EXAMPLES)]]
-    assert results[LABELED_TASK]["accuracy"] == 100.0
-    assert results[LABELED_TASK]["mean_score"] == pytest.approx(-np.mean(targets))
-    # Loss only: sum of -scores over target tokens = 1 per token.
-    assert results[PLAIN_TASK] == {"loss": 1.0, "num_examples": float(NUM_EXAMPLES)}
-    assert runner.rows_predicted == NUM_EXAMPLES
-    with open(tmp_path / "inferences" / f"{LABELED_TASK}-step_7.jsonl") as f:
-        lines = [json.loads(line) for line in f]
-    assert len(lines) == NUM_EXAMPLES
-    assert lines[1] == {"inputs": "q1: yes?", "targets": "yes", "target": "yes",
-                        "output": "yes", "prediction": "yes", "score": -4.0}
+  runner = StubRunner()
+  evaluator = evaluation.TaskEvaluator(
+    runner, _dataset_cfg(), log_dir=str(tmp_path), logger_cls=(evaluation.PredictionsJsonlLogger,)
+  )
+  assert "task eval_test_no_metrics has no metric functions" in caplog.text
+  results = evaluator.evaluate(params=None, step=7)
+  targets = [len(w) + 1 for w in ["yes" if i % 3 else "no" for i in range(NUM_EXAMPLES)]]
+  assert results[LABELED_TASK]["accuracy"] == 100.0
+  assert results[LABELED_TASK]["mean_score"] == pytest.approx(-np.mean(targets))
+  # Loss only: sum of -scores over target tokens = 1 per token.
+  assert results[PLAIN_TASK] == {"loss": 1.0, "num_examples": float(NUM_EXAMPLES)}
+  assert runner.rows_predicted == NUM_EXAMPLES
+  with open(tmp_path / "inferences" / f"{LABELED_TASK}-step_7.jsonl") as f:
+    lines = [json.loads(line) for line in f]
+  assert len(lines) == NUM_EXAMPLES
+  assert lines[1] == {
+    "inputs": "q1: yes?",
+    "targets": "yes",
+    "target": "yes",
+    "output": "yes",
+    "prediction": "yes",
+    "score": -4.0,
+  }
 
 
 def _tiny_config() -> network.T5Config:
-    return network.T5Config(vocab_size=320, emb_dim=32, num_heads=2, head_dim=16, mlp_dim=64,
-                            num_encoder_layers=1, num_decoder_layers=1,
-                            mlp_activations=("gelu", "linear"), dropout_rate=0.0,
-                            logits_via_embedding=False)
+  return network.T5Config(
+    vocab_size=320,
+    emb_dim=32,
+    num_heads=2,
+    head_dim=16,
+    mlp_dim=64,
+    num_encoder_layers=1,
+    num_decoder_layers=1,
+    mlp_activations=("gelu", "linear"),
+    dropout_rate=0.0,
+    logits_via_embedding=False,
+  )
 
 
 def _build_model(config: network.T5Config) -> models.EncoderDecoderModel:
-    return models.EncoderDecoderModel(network.Transformer(config), VOCAB, VOCAB)
+  return models.EncoderDecoderModel(network.Transformer(config), VOCAB, VOCAB)
 
 
 def _write_checkpoint(root, steps) -> models.EncoderDecoderModel:
-    """Params-only checkpoints of a random tiny model (different seed per step)."""
-    config = _tiny_config()
-    model = _build_model(config)
-    shapes = {"encoder_input_tokens": (1, 1), "decoder_input_tokens": (1, 1)}
-    stored = {k: list(v) if isinstance(v, tuple) else v
-              for k, v in dataclasses.asdict(config).items()}
-    for step in steps:
-        params = nn.meta.unbox(model.get_initial_variables(jax.random.PRNGKey(step),
-                                                           shapes)["params"])
-        checkpoints.write_params_checkpoint(root, params, step=step, config=stored)
-    return model
+  """Params-only checkpoints of a random tiny model (different seed per step)."""
+  config = _tiny_config()
+  model = _build_model(config)
+  shapes = {"encoder_input_tokens": (1, 1), "decoder_input_tokens": (1, 1)}
+  stored = {
+    k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(config).items()
+  }
+  for step in steps:
+    params = nn.meta.unbox(model.get_initial_variables(jax.random.PRNGKey(step), shapes)["params"])
+    checkpoints.write_params_checkpoint(root, params, step=step, config=stored)
+  return model
 
 
 def _evaluate(ckpt, out, **overrides):
-    kwargs = dict(checkpoint_path=str(ckpt), output_dir=str(out),
-                  dataset_cfg=_dataset_cfg(LABELED_TASK), decode=inference.DecodeConfig(),
-                  num_examples=None)
-    kwargs.update(overrides)
-    return evaluation.evaluate_checkpoints(_build_model, **kwargs)
+  kwargs = dict(
+    checkpoint_path=str(ckpt),
+    output_dir=str(out),
+    dataset_cfg=_dataset_cfg(LABELED_TASK),
+    decode=inference.DecodeConfig(),
+    num_examples=None,
+  )
+  kwargs.update(overrides)
+  return evaluation.evaluate_checkpoints(_build_model, **kwargs)
 
 
 def test_real_model_scores_match_score_batch_and_steps_are_skipped(tmp_path):
-    gin.bind_parameter("mesh_and_rules.num_partitions", 2)  # data=4 x model=2
-    model = _write_checkpoint(tmp_path / "ckpt", steps=[3, 5])
-    results = _evaluate(tmp_path / "ckpt", tmp_path / "out")
-    assert list(results) == [3, 5]
-    params = checkpoints.restore_params(
-        tmp_path / "ckpt" / "5", inference.abstract_params(
-            model, partitioning.create_mesh(), partitioning.standard_logical_axis_rules())[0])
-    batch = next(data.eval_batches(_dataset_cfg(LABELED_TASK, batch_size=NUM_EXAMPLES),
-                                   jax.sharding.SingleDeviceSharding(jax.devices()[0]), 1))
-    batch = {k: np.asarray(v) for k, v in batch.items()}
-    expected = float(np.mean(model.score_batch(jax.device_get(params), batch)))
-    assert results[5][LABELED_TASK]["mean_score"] == pytest.approx(expected, rel=1e-5)
-    assert results[3][LABELED_TASK]["mean_score"] != results[5][LABELED_TASK]["mean_score"]
-    written = json.loads((tmp_path / "out" / "metrics_step_5.json").read_text())
-    assert written["metrics"] == results[5] and written["step"] == 5
-    assert os.listdir(tmp_path / "out" / LABELED_TASK)  # TensorBoard events
+  gin.bind_parameter("mesh_and_rules.num_partitions", 2)  # data=4 x model=2
+  model = _write_checkpoint(tmp_path / "ckpt", steps=[3, 5])
+  results = _evaluate(tmp_path / "ckpt", tmp_path / "out")
+  assert list(results) == [3, 5]
+  params = checkpoints.restore_params(
+    tmp_path / "ckpt" / "5",
+    inference.abstract_params(
+      model, partitioning.create_mesh(), partitioning.standard_logical_axis_rules()
+    )[0],
+  )
+  batch = next(
+    data.eval_batches(
+      _dataset_cfg(LABELED_TASK, batch_size=NUM_EXAMPLES),
+      jax.sharding.SingleDeviceSharding(jax.devices()[0]),
+      1,
+    )
+  )
+  batch = {k: np.asarray(v) for k, v in batch.items()}
+  expected = float(np.mean(model.score_batch(jax.device_get(params), batch)))
+  assert results[5][LABELED_TASK]["mean_score"] == pytest.approx(expected, rel=1e-5)
+  assert results[3][LABELED_TASK]["mean_score"] != results[5][LABELED_TASK]["mean_score"]
+  written = json.loads((tmp_path / "out" / "metrics_step_5.json").read_text())
+  assert written["metrics"] == results[5] and written["step"] == 5
+  assert os.listdir(tmp_path / "out" / LABELED_TASK)  # TensorBoard events
 
-    assert _evaluate(tmp_path / "ckpt", tmp_path / "out") == {}  # both steps skipped
-    with pytest.raises(ValueError, match=r"different evaluation \(differs in \['split'\]\)"):
-        _evaluate(tmp_path / "ckpt", tmp_path / "out",
-                  dataset_cfg=_dataset_cfg(LABELED_TASK, split="train"))
+  assert _evaluate(tmp_path / "ckpt", tmp_path / "out") == {}  # both steps skipped
+  with pytest.raises(ValueError, match=r"different evaluation \(differs in \['split'\]\)"):
+    _evaluate(
+      tmp_path / "ckpt", tmp_path / "out", dataset_cfg=_dataset_cfg(LABELED_TASK, split="train")
+    )
 
 
 def test_missing_checkpoint_path_is_named(tmp_path):
-    with pytest.raises(CheckpointError, match=f"No checkpoint at {tmp_path}/nope: it does not exist"):
-        _evaluate(tmp_path / "nope", tmp_path / "out")
-    (tmp_path / "empty").mkdir()
-    with pytest.raises(CheckpointError, match=f"No checkpoint at {tmp_path}/empty: expected a step "
-                                              "directory with params/ or a MODEL_DIR"):
-        _evaluate(tmp_path / "empty", tmp_path / "out")
+  with pytest.raises(CheckpointError, match=f"No checkpoint at {tmp_path}/nope: it does not exist"):
+    _evaluate(tmp_path / "nope", tmp_path / "out")
+  (tmp_path / "empty").mkdir()
+  with pytest.raises(
+    CheckpointError,
+    match=f"No checkpoint at {tmp_path}/empty: expected a step "
+    "directory with params/ or a MODEL_DIR",
+  ):
+    _evaluate(tmp_path / "empty", tmp_path / "out")
 
 
 def test_relative_checkpoint_and_output_paths(tmp_path, monkeypatch):
-    _write_checkpoint(tmp_path / "ckpt", steps=[3])
-    monkeypatch.chdir(tmp_path)
-    results = _evaluate("./ckpt", "out")
-    assert list(results) == [3]
-    written = json.loads((tmp_path / "out" / "metrics_step_3.json").read_text())
-    assert written["checkpoint"] == str(tmp_path / "ckpt" / "3")
-    (tmp_path / "file").write_text("")
-    with pytest.raises(ConfigError, match=f"EVAL_OUTPUT_DIR file \\({tmp_path}/file\\) is a file"):
-        _evaluate("ckpt", "file")
+  _write_checkpoint(tmp_path / "ckpt", steps=[3])
+  monkeypatch.chdir(tmp_path)
+  results = _evaluate("./ckpt", "out")
+  assert list(results) == [3]
+  written = json.loads((tmp_path / "out" / "metrics_step_3.json").read_text())
+  assert written["checkpoint"] == str(tmp_path / "ckpt" / "3")
+  (tmp_path / "file").write_text("")
+  with pytest.raises(ConfigError, match=f"EVAL_OUTPUT_DIR file \\({tmp_path}/file\\) is a file"):
+    _evaluate("ckpt", "file")
 
 
-def test_corrupt_latest_step_is_skipped_by_eval_and_infer_and_redone_by_training(
-        tmp_path, caplog):
-    gin.bind_parameter("TrainCheckpointer.save_period", 2)
-    model_dir, lengths = tmp_path / "model", {"inputs": 16, "targets": 4}
-    _train_tiny(model_dir, total_steps=4)
-    manifest = json.loads((model_dir / "4" / FILE_MANIFEST).read_text())
-    victim = model_dir / "4" / sorted(n for n in manifest if n.startswith("params/"))[0]
-    victim.write_bytes(victim.read_bytes()[:-1])  # truncated
-    corrupt = {p: p.read_bytes() for p in (model_dir / "4").rglob("*") if p.is_file()}
+def test_corrupt_latest_step_is_skipped_by_eval_and_infer_and_redone_by_training(tmp_path, caplog):
+  gin.bind_parameter("TrainCheckpointer.save_period", 2)
+  model_dir, lengths = tmp_path / "model", {"inputs": 16, "targets": 4}
+  _train_tiny(model_dir, total_steps=4)
+  manifest = json.loads((model_dir / "4" / FILE_MANIFEST).read_text())
+  victim = model_dir / "4" / sorted(n for n in manifest if n.startswith("params/"))[0]
+  victim.write_bytes(victim.read_bytes()[:-1])  # truncated
+  corrupt = {p: p.read_bytes() for p in (model_dir / "4").rglob("*") if p.is_file()}
 
-    assert list(_evaluate(model_dir, tmp_path / "eval")) == [2]
-    assert f"CORRUPT CHECKPOINT STEP 4 skipped (step 4: Checkpoint file truncated or altered: {victim}" in caplog.text
-    assert not (tmp_path / "eval" / "metrics_step_4.json").exists()
-    with pytest.raises(CorruptCheckpointError, match=str(victim)):  # a step asked for explicitly
-        _evaluate(model_dir / "4", tmp_path / "eval4")
-    caplog.clear()
-    with caplog.at_level(logging.INFO, logger="absl"):
-        batch_inference.infer(_build_model, checkpoint_path=str(model_dir),
-                              output_file=str(tmp_path / "out.jsonl"),
-                              task_feature_lengths=lengths, input_file=None,
-                              mixture_or_task_name=LABELED_TASK, split="validation",
-                              batch_size=8, mode="predict", decode=inference.DecodeConfig())
-    assert f"using step 2 of {model_dir} instead" in caplog.text
-    assert f"with step 2 of {model_dir}" in caplog.text
-    assert {p: p.read_bytes() for p in (model_dir / "4").rglob("*") if p.is_file()} == corrupt
+  assert list(_evaluate(model_dir, tmp_path / "eval")) == [2]
+  assert (
+    f"CORRUPT CHECKPOINT STEP 4 skipped (step 4: Checkpoint file truncated or altered: {victim}"
+    in caplog.text
+  )
+  assert not (tmp_path / "eval" / "metrics_step_4.json").exists()
+  with pytest.raises(CorruptCheckpointError, match=str(victim)):  # a step asked for explicitly
+    _evaluate(model_dir / "4", tmp_path / "eval4")
+  caplog.clear()
+  with caplog.at_level(logging.INFO, logger="absl"):
+    batch_inference.infer(
+      _build_model,
+      checkpoint_path=str(model_dir),
+      output_file=str(tmp_path / "out.jsonl"),
+      task_feature_lengths=lengths,
+      input_file=None,
+      mixture_or_task_name=LABELED_TASK,
+      split="validation",
+      batch_size=8,
+      mode="predict",
+      decode=inference.DecodeConfig(),
+    )
+  assert f"using step 2 of {model_dir} instead" in caplog.text
+  assert f"with step 2 of {model_dir}" in caplog.text
+  assert {p: p.read_bytes() for p in (model_dir / "4").rglob("*") if p.is_file()} == corrupt
 
-    caplog.clear()
-    with caplog.at_level(logging.INFO, logger="absl"):
-        _train_tiny(model_dir, total_steps=6)
-    assert f"using step 2 of {model_dir} instead" in caplog.text
-    assert f"Resuming from {model_dir}/2" in caplog.text
-    moved = model_dir / "4.corrupt"
-    assert {moved / p.relative_to(model_dir / "4"): b for p, b in corrupt.items()} == {
-        p: p.read_bytes() for p in moved.rglob("*") if p.is_file()}
-    ckpt = checkpoints.TrainCheckpointer(model_dir)
-    assert ckpt.all_steps() == [2, 4, 6]
-    ckpt.close()
-    assert list(_evaluate(model_dir, tmp_path / "eval")) == [4, 6]  # the redone step 4 is intact
+  caplog.clear()
+  with caplog.at_level(logging.INFO, logger="absl"):
+    _train_tiny(model_dir, total_steps=6)
+  assert f"using step 2 of {model_dir} instead" in caplog.text
+  assert f"Resuming from {model_dir}/2" in caplog.text
+  moved = model_dir / "4.corrupt"
+  assert {moved / p.relative_to(model_dir / "4"): b for p, b in corrupt.items()} == {
+    p: p.read_bytes() for p in moved.rglob("*") if p.is_file()
+  }
+  ckpt = checkpoints.TrainCheckpointer(model_dir)
+  assert ckpt.all_steps() == [2, 4, 6]
+  ckpt.close()
+  assert list(_evaluate(model_dir, tmp_path / "eval")) == [4, 6]  # the redone step 4 is intact
 
 
 def _train_tiny(model_dir, total_steps: int, **kwargs) -> None:
-    module = network.Transformer(_tiny_config())
-    model = models.EncoderDecoderModel(module, VOCAB, VOCAB,
-                                       loss_normalizing_factor="NUM_REAL_TARGET_TOKENS")
-    train_loop.train(model_dir=str(model_dir), total_steps=total_steps, model=model,
-                     optimizer=optimizers.adafactor(learning_rate=0.01),
-                     train_dataset_cfg=_dataset_cfg(LABELED_TASK, split="validation", pack=True),
-                     **kwargs)
+  module = network.Transformer(_tiny_config())
+  model = models.EncoderDecoderModel(
+    module, VOCAB, VOCAB, loss_normalizing_factor="NUM_REAL_TARGET_TOKENS"
+  )
+  train_loop.train(
+    model_dir=str(model_dir),
+    total_steps=total_steps,
+    model=model,
+    optimizer=optimizers.adafactor(learning_rate=0.01),
+    train_dataset_cfg=_dataset_cfg(LABELED_TASK, split="validation", pack=True),
+    **kwargs,
+  )
 
 
 def test_periodic_evaluation_inside_training(tmp_path):
-    gin.bind_parameter("training_evaluator.num_examples", 8)
-    _train_tiny(tmp_path, total_steps=4, eval_dataset_cfg=_dataset_cfg(MIXTURE),
-                infer_eval_period=2, log_period=2)
-    with open(tmp_path / "metrics.jsonl") as f:
-        evals = [r for r in map(json.loads, f) if f"{LABELED_TASK}/accuracy" in r]
-    assert [r["step"] for r in evals] == [2, 4]
-    assert all(r["split"] == "eval" and np.isfinite(r[f"{PLAIN_TASK}/loss"]) for r in evals)
-    assert (tmp_path / "inference_eval" / "inferences" / f"{LABELED_TASK}-step_4.jsonl").exists()
+  gin.bind_parameter("training_evaluator.num_examples", 8)
+  _train_tiny(
+    tmp_path,
+    total_steps=4,
+    eval_dataset_cfg=_dataset_cfg(MIXTURE),
+    infer_eval_period=2,
+    log_period=2,
+  )
+  with open(tmp_path / "metrics.jsonl") as f:
+    evals = [r for r in map(json.loads, f) if f"{LABELED_TASK}/accuracy" in r]
+  assert [r["step"] for r in evals] == [2, 4]
+  assert all(r["split"] == "eval" and np.isfinite(r[f"{PLAIN_TASK}/loss"]) for r in evals)
+  assert (tmp_path / "inference_eval" / "inferences" / f"{LABELED_TASK}-step_4.jsonl").exists()
 
 
 # ---------------------------------------------------------------- entry point
 
-_TRAIN = ["--gin_file=quickstart.gin", "--gin.BATCH_SIZE=8",
-          "--gin.TASK_FEATURE_LENGTHS={'inputs': 32, 'targets': 8}", "--gin.TRAIN_STEPS=2",
-          "--gin.TrainCheckpointer.save_period=1", "--gin.EVAL_PERIOD=0"]
+_TRAIN = [
+  "--gin_file=quickstart.gin",
+  "--gin.BATCH_SIZE=8",
+  "--gin.TASK_FEATURE_LENGTHS={'inputs': 32, 'targets': 8}",
+  "--gin.TRAIN_STEPS=2",
+  "--gin.TrainCheckpointer.save_period=1",
+  "--gin.EVAL_PERIOD=0",
+]
 
 
 def _run(module: str, *args: str) -> subprocess.CompletedProcess:
-    result = subprocess.run([sys.executable, "-m", module, *args], cwd=REPO,
-                            capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return result
+  result = subprocess.run(
+    [sys.executable, "-m", module, *args], cwd=REPO, capture_output=True, text=True, timeout=600
+  )
+  assert result.returncode == 0, result.stderr[-3000:]
+  return result
 
 
 def _eval_args(checkpoint_path, output_dir) -> list[str]:
-    return ["--gin_file=runs/eval.gin", f"--gin.CHECKPOINT_PATH={checkpoint_path}",
-            f"--gin.EVAL_OUTPUT_DIR={output_dir}",
-            "--gin.MIXTURE_OR_TASK_NAME=cpython_code_to_docstring",
-            "--gin.TASK_FEATURE_LENGTHS={'inputs': 32, 'targets': 8}", "--gin.BATCH_SIZE=8",
-            "--gin.NUM_EXAMPLES=8"]
+  return [
+    "--gin_file=runs/eval.gin",
+    f"--gin.CHECKPOINT_PATH={checkpoint_path}",
+    f"--gin.EVAL_OUTPUT_DIR={output_dir}",
+    "--gin.MIXTURE_OR_TASK_NAME=cpython_code_to_docstring",
+    "--gin.TASK_FEATURE_LENGTHS={'inputs': 32, 'targets': 8}",
+    "--gin.BATCH_SIZE=8",
+    "--gin.NUM_EXAMPLES=8",
+  ]
 
 
 @pytest.mark.slow
 def test_eval_entry_on_trained_checkpoints_then_skips_evaluated_steps(tmp_path):
-    model_dir, out = tmp_path / "model", tmp_path / "eval"
-    _run("t5x_lite.train", *_TRAIN, f"--gin.MODEL_DIR={model_dir}")
-    _run("t5x_lite.eval", *_eval_args(model_dir / "1", out))
-    first = json.loads((out / "metrics_step_1.json").read_text())
-    assert set(first["metrics"]["cpython_code_to_docstring"]) == {"rouge1", "rouge2", "rougeLsum"}
-    with open(out / "inferences" / "cpython_code_to_docstring-step_1.jsonl") as f:
-        assert len(f.readlines()) == 8
-    assert os.listdir(out / "cpython_code_to_docstring")
+  model_dir, out = tmp_path / "model", tmp_path / "eval"
+  _run("t5x_lite.train", *_TRAIN, f"--gin.MODEL_DIR={model_dir}")
+  _run("t5x_lite.eval", *_eval_args(model_dir / "1", out))
+  first = json.loads((out / "metrics_step_1.json").read_text())
+  assert set(first["metrics"]["cpython_code_to_docstring"]) == {"rouge1", "rouge2", "rougeLsum"}
+  with open(out / "inferences" / "cpython_code_to_docstring-step_1.jsonl") as f:
+    assert len(f.readlines()) == 8
+  assert os.listdir(out / "cpython_code_to_docstring")
 
-    second = _run("t5x_lite.eval", *_eval_args(model_dir, out))
-    assert "Step 1 already evaluated" in second.stderr
-    assert json.loads((out / "metrics_step_1.json").read_text()) == first
-    assert json.loads((out / "metrics_step_2.json").read_text())["step"] == 2
+  second = _run("t5x_lite.eval", *_eval_args(model_dir, out))
+  assert "Step 1 already evaluated" in second.stderr
+  assert json.loads((out / "metrics_step_1.json").read_text()) == first
+  assert json.loads((out / "metrics_step_2.json").read_text())["step"] == 2

@@ -11,67 +11,71 @@ BOM = "\ufeff"
 
 
 def _records(source: file_sources.TsvSource, split: str = "train") -> list[dict[str, str]]:
-    ds = source.get_dataset(split=split, shuffle=False)
-    return [{k: v.decode() for k, v in ex.items()} for ex in ds.as_numpy_iterator()]
+  ds = source.get_dataset(split=split, shuffle=False)
+  return [{k: v.decode() for k, v in ex.items()} for ex in ds.as_numpy_iterator()]
 
 
 @pytest.mark.parametrize("compressed", [False, True])
 def test_byte_order_mark_is_not_part_of_the_first_header_name(tmp_path, compressed):
-    text = BOM + "label\tsentence\n1\tgood\n0\tbad\n"
-    path = tmp_path / ("train.tsv.gz" if compressed else "train.tsv")
-    if compressed:
-        with gzip.open(path, "wt", encoding="utf-8") as f:
-            f.write(text)
-    else:
-        path.write_text(text, encoding="utf-8")
-    assert file_sources.read_tsv(str(path)) == {"label": ["1", "0"], "sentence": ["good", "bad"]}
-    source = file_sources.TsvSource({"train": path.name}, data_dir=str(tmp_path))
-    assert _records(source)[0] == {"label": "1", "sentence": "good"}
+  text = BOM + "label\tsentence\n1\tgood\n0\tbad\n"
+  path = tmp_path / ("train.tsv.gz" if compressed else "train.tsv")
+  if compressed:
+    with gzip.open(path, "wt", encoding="utf-8") as f:
+      f.write(text)
+  else:
+    path.write_text(text, encoding="utf-8")
+  assert file_sources.read_tsv(str(path)) == {"label": ["1", "0"], "sentence": ["good", "bad"]}
+  source = file_sources.TsvSource({"train": path.name}, data_dir=str(tmp_path))
+  assert _records(source)[0] == {"label": "1", "sentence": "good"}
 
 
 def test_byte_order_mark_is_not_part_of_a_headerless_first_record(tmp_path):
-    (tmp_path / "a.jsonl").write_text(BOM + '{"a": "x"}\n', encoding="utf-8")
-    assert file_sources.read_jsonl(str(tmp_path / "a.jsonl"), {"inputs": "a"}) == {"inputs": ["x"]}
-    (tmp_path / "a.tsv").write_text(BOM + "x\t1\n", encoding="utf-8")
-    assert file_sources.read_tsv(str(tmp_path / "a.tsv"), ("text", "label"), has_header=False) == {
-        "text": ["x"],
-        "label": ["1"],
-    }
+  (tmp_path / "a.jsonl").write_text(BOM + '{"a": "x"}\n', encoding="utf-8")
+  assert file_sources.read_jsonl(str(tmp_path / "a.jsonl"), {"inputs": "a"}) == {"inputs": ["x"]}
+  (tmp_path / "a.tsv").write_text(BOM + "x\t1\n", encoding="utf-8")
+  assert file_sources.read_tsv(str(tmp_path / "a.tsv"), ("text", "label"), has_header=False) == {
+    "text": ["x"],
+    "label": ["1"],
+  }
 
 
 def test_headerless_four_column_tsv_with_columns(tmp_path):
-    rows = "".join(f"{i}\tpremise {i}\thypothesis {i}\t{'entailment' if i % 2 else 'not'}\n"
-                   for i in range(3))
-    (tmp_path / "train.tsv").write_text(rows)
-    source = file_sources.TsvSource(
-        {"train": "train.tsv"},
-        columns=("idx", "sentence1", "sentence2", "label"),
-        has_header=False,
-        data_dir=str(tmp_path),
-    )
-    records = _records(source)
-    assert len(records) == 3 and source.num_input_examples("train") == 3
-    assert records[0] == {
-        "idx": "0", "sentence1": "premise 0", "sentence2": "hypothesis 0", "label": "not"
-    }
+  rows = "".join(
+    f"{i}\tpremise {i}\thypothesis {i}\t{'entailment' if i % 2 else 'not'}\n" for i in range(3)
+  )
+  (tmp_path / "train.tsv").write_text(rows)
+  source = file_sources.TsvSource(
+    {"train": "train.tsv"},
+    columns=("idx", "sentence1", "sentence2", "label"),
+    has_header=False,
+    data_dir=str(tmp_path),
+  )
+  records = _records(source)
+  assert len(records) == 3 and source.num_input_examples("train") == 3
+  assert records[0] == {
+    "idx": "0",
+    "sentence1": "premise 0",
+    "sentence2": "hypothesis 0",
+    "label": "not",
+  }
 
 
 def test_columns_rename_the_header_row_by_position(tmp_path):
-    (tmp_path / "train.tsv").write_text("sentence\tlbl\ngood\t1\n")
-    renamed = file_sources.read_tsv(str(tmp_path / "train.tsv"), columns=("sentence", "label"))
-    assert renamed == {"sentence": ["good"], "label": ["1"]}
-    with pytest.raises(file_sources.DataFileError, match=r"train.tsv:1: the header row has 2 fields"):
-        file_sources.read_tsv(str(tmp_path / "train.tsv"), columns=("a", "b", "c"))
+  (tmp_path / "train.tsv").write_text("sentence\tlbl\ngood\t1\n")
+  renamed = file_sources.read_tsv(str(tmp_path / "train.tsv"), columns=("sentence", "label"))
+  assert renamed == {"sentence": ["good"], "label": ["1"]}
+  with pytest.raises(file_sources.DataFileError, match=r"train.tsv:1: the header row has 2 fields"):
+    file_sources.read_tsv(str(tmp_path / "train.tsv"), columns=("a", "b", "c"))
 
 
 def test_headerless_file_needs_columns(tmp_path):
-    (tmp_path / "train.tsv").write_text("good\t1\n")
-    with pytest.raises(ConfigError, match="has_header=False needs columns"):
-        file_sources.read_tsv(str(tmp_path / "train.tsv"), has_header=False)
+  (tmp_path / "train.tsv").write_text("good\t1\n")
+  with pytest.raises(ConfigError, match="has_header=False needs columns"):
+    file_sources.read_tsv(str(tmp_path / "train.tsv"), has_header=False)
 
 
 def test_unknown_split_is_a_user_error(tmp_path):
-    (tmp_path / "train.tsv").write_text("sentence\tlabel\ngood\t1\n")
-    source = file_sources.TsvSource({"train": "train.tsv"}, data_dir=str(tmp_path))
-    with pytest.raises(UserError, match=r"Unknown split 'validation'; this source has \['train'\]"):
-        source.num_input_examples("validation")
+  (tmp_path / "train.tsv").write_text("sentence\tlabel\ngood\t1\n")
+  source = file_sources.TsvSource({"train": "train.tsv"}, data_dir=str(tmp_path))
+  with pytest.raises(UserError, match=r"Unknown split 'validation'; this source has \['train'\]"):
+    source.num_input_examples("validation")

@@ -9,8 +9,7 @@ import pytest
 from t5x_lite import layers
 
 # relative_position = key_position - query_position; positive = key after the query.
-DISTANCES = [0, 1, -1, 7, -7, 8, -8, 15, -15, 16, -16, 100, -100, 127, -127, 128, -128,
-             1000, -1000]
+DISTANCES = [0, 1, -1, 7, -7, 8, -8, 15, -15, 16, -16, 100, -100, 127, -127, 128, -128, 1000, -1000]
 # By hand, T5 formula, 32 buckets, max distance 128. Bidirectional: 16 buckets per
 # direction (keys after the query +16), max_exact 8, then 8 + int(log(n/8)/log(16)*8).
 BIDIRECTIONAL = [0, 17, 1, 23, 7, 24, 8, 25, 9, 26, 10, 31, 15, 31, 15, 31, 15, 31, 15]
@@ -134,8 +133,7 @@ def test_mlp_dropout_only_when_not_deterministic():
   variables = module.init(jax.random.PRNGKey(0), x)
   clean = module.apply(variables, x, deterministic=True)
   again = module.apply(variables, x, deterministic=True)
-  dropped = module.apply(variables, x, deterministic=False,
-                         rngs={'dropout': jax.random.PRNGKey(1)})
+  dropped = module.apply(variables, x, deterministic=False, rngs={'dropout': jax.random.PRNGKey(1)})
   np.testing.assert_array_equal(np.asarray(clean), np.asarray(again))
   assert not np.allclose(np.asarray(clean), np.asarray(dropped))
 
@@ -150,9 +148,11 @@ def test_masks():
   segments = jnp.array([[1, 1, 2]])
   packing = np.asarray(layers.make_attention_mask(segments, segments, jnp.equal))[0, 0]
   np.testing.assert_array_equal(packing, [[1, 1, 0], [1, 1, 0], [0, 0, 1]])
-  combined = np.asarray(layers.combine_masks(layers.make_causal_mask(3), None,
-                                             layers.make_attention_mask(segments, segments,
-                                                                        jnp.equal)))
+  combined = np.asarray(
+    layers.combine_masks(
+      layers.make_causal_mask(3), None, layers.make_attention_mask(segments, segments, jnp.equal)
+    )
+  )
   np.testing.assert_array_equal(combined[0, 0], [[1, 0, 0], [1, 1, 0], [0, 0, 1]])
   bias = np.asarray(layers.mask_to_bias(combined))
   assert bias.dtype == np.float32 and bias[0, 0, 0, 1] == layers.MASK_BIAS and bias[0, 0, 0, 0] == 0

@@ -56,12 +56,15 @@ def test_every_model_gin_file_parses(gin_file):
     assert config.dropout_rate == 0.1
 
 
-@pytest.mark.parametrize('gin_file,expected', [
+@pytest.mark.parametrize(
+  'gin_file,expected',
+  [
     ('models/t5_1_0/small.gin', 60_506_624),
     ('models/t5_1_0/base.gin', 222_903_552),
     ('models/t5_1_1/small.gin', 76_961_152),
     ('models/t5_1_1/base.gin', 247_577_856),
-])
+  ],
+)
 def test_public_parameter_counts(gin_file, expected):
   assert _num_params(_config(gin_file)) == expected
 
@@ -69,10 +72,18 @@ def test_public_parameter_counts(gin_file, expected):
 def test_size_files_override_base():
   config = _config('models/t5_1_1/xxl.gin')
   assert (config.emb_dim, config.num_heads, config.mlp_dim, config.num_encoder_layers) == (
-      4096, 64, 10240, 24)
+    4096,
+    64,
+    10240,
+    24,
+  )
   config = _config('models/t5_1_0/11B.gin', ('DROPOUT_RATE = 0.0',))
   assert (config.num_heads, config.head_dim, config.mlp_dim, config.dropout_rate) == (
-      128, 128, 65536, 0.0)
+    128,
+    128,
+    65536,
+    0.0,
+  )
 
 
 def test_unknown_binding_is_named(tmp_path):
@@ -83,10 +94,18 @@ def test_unknown_binding_is_named(tmp_path):
 
 
 def test_flops_hand_computed():
-  config = network.T5Config(vocab_size=10, emb_dim=4, num_heads=2, head_dim=3, mlp_dim=5,
-                            num_encoder_layers=1, num_decoder_layers=1,
-                            mlp_activations=('relu',), dropout_rate=0.0,
-                            logits_via_embedding=True)
+  config = network.T5Config(
+    vocab_size=10,
+    emb_dim=4,
+    num_heads=2,
+    head_dim=3,
+    mlp_dim=5,
+    num_encoder_layers=1,
+    num_decoder_layers=1,
+    mlp_activations=('relu',),
+    dropout_rate=0.0,
+    logits_via_embedding=True,
+  )
   # I=7, T=3, E=4, H=6, M=5, V=10, ReLU:
   # encoder: q,o 2*2*7*4*6=672, k,v 672, scores+values 2*2*7*7*6=1176, mlp 2*2*7*4*5=560
   # decoder self: 288 + 288 + 216; cross: q,o 288, k,v 672, 504; mlp 240; logits 240.
@@ -98,15 +117,25 @@ def test_flops_hand_computed():
 
 def _run_model_info(*args: str) -> subprocess.CompletedProcess:
   env = dict(os.environ, JAX_PLATFORMS='cpu')
-  return subprocess.run([sys.executable, str(REPO / 'tools' / 'model_info.py'), *args],
-                        capture_output=True, text=True, env=env, cwd=REPO, timeout=300)
+  return subprocess.run(
+    [sys.executable, str(REPO / 'tools' / 'model_info.py'), *args],
+    capture_output=True,
+    text=True,
+    env=env,
+    cwd=REPO,
+    timeout=300,
+  )
 
 
 @pytest.mark.slow
 def test_model_info_json():
-  result = _run_model_info('--gin_file=models/t5_1_1/small.gin',
-                           '--gin.T5Config.num_decoder_layers=4', '--input_length=64',
-                           '--target_length=16', '--json')
+  result = _run_model_info(
+    '--gin_file=models/t5_1_1/small.gin',
+    '--gin.T5Config.num_decoder_layers=4',
+    '--input_length=64',
+    '--target_length=16',
+    '--json',
+  )
   assert result.returncode == 0, result.stderr
   info = json.loads(result.stdout.strip().splitlines()[-1])
   config = _config('models/t5_1_1/small.gin', ('T5Config.num_decoder_layers = 4',))

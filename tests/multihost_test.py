@@ -53,27 +53,48 @@ def _free_port() -> int:
 
 def _env(devices: int) -> dict[str, str]:
   env = dict(os.environ)
-  env.update(XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
-             JAX_PLATFORMS="cpu", JAX_CPU_COLLECTIVES_IMPLEMENTATION="gloo",
-             TF_CPP_MIN_LOG_LEVEL="3")
+  env.update(
+    XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+    JAX_PLATFORMS="cpu",
+    JAX_CPU_COLLECTIVES_IMPLEMENTATION="gloo",
+    TF_CPP_MIN_LOG_LEVEL="3",
+  )
   return env
 
 
-def _train(config: str, model_dir: str, steps: int, log_dir: str, processes: int,
-           *extra: str) -> None:
+def _train(
+  config: str, model_dir: str, steps: int, log_dir: str, processes: int, *extra: str
+) -> None:
   """Runs the train entry point in `processes` processes (8 devices in all)."""
-  command = [sys.executable, "-m", "t5x_lite.train", f"--gin_file={config}",
-             f"--gin.MODEL_DIR={model_dir}", f"--gin.TRAIN_STEPS={steps}", *extra]
+  command = [
+    sys.executable,
+    "-m",
+    "t5x_lite.train",
+    f"--gin_file={config}",
+    f"--gin.MODEL_DIR={model_dir}",
+    f"--gin.TRAIN_STEPS={steps}",
+    *extra,
+  ]
   port = _free_port()
   procs, logs = [], []
   for index in range(processes):
-    flags = ([f"--coordinator_address=127.0.0.1:{port}", f"--process_count={processes}",
-              f"--process_index={index}"] if processes > 1 else [])
+    flags = (
+      [
+        f"--coordinator_address=127.0.0.1:{port}",
+        f"--process_count={processes}",
+        f"--process_index={index}",
+      ]
+      if processes > 1
+      else []
+    )
     log_path = os.path.join(log_dir, f"{os.path.basename(model_dir)}_{steps}_{index}.log")
     logs.append(log_path)
     with open(log_path, "w") as log:  # files, not pipes: a full pipe would stall a peer
-      procs.append(subprocess.Popen(command + flags, cwd=REPO, env=_env(8 // processes),
-                                    stdout=log, stderr=subprocess.STDOUT))
+      procs.append(
+        subprocess.Popen(
+          command + flags, cwd=REPO, env=_env(8 // processes), stdout=log, stderr=subprocess.STDOUT
+        )
+      )
   try:
     codes = [p.wait(timeout=TIMEOUT_S) for p in procs]
   finally:

@@ -11,10 +11,18 @@ import pytest
 
 from t5x_lite import network
 
-TINY = network.T5Config(vocab_size=64, emb_dim=32, num_heads=4, head_dim=8, mlp_dim=64,
-                        num_encoder_layers=2, num_decoder_layers=2,
-                        mlp_activations=('gelu', 'linear'), dropout_rate=0.0,
-                        logits_via_embedding=False)
+TINY = network.T5Config(
+  vocab_size=64,
+  emb_dim=32,
+  num_heads=4,
+  head_dim=8,
+  mlp_dim=64,
+  num_encoder_layers=2,
+  num_decoder_layers=2,
+  mlp_activations=('gelu', 'linear'),
+  dropout_rate=0.0,
+  logits_via_embedding=False,
+)
 TINY_V1_0 = dataclasses.replace(TINY, mlp_activations=('relu',), logits_via_embedding=True)
 
 ENCODER_TOKENS = jnp.array([[3, 4, 5, 6, 1, 0], [7, 8, 9, 10, 11, 1]])
@@ -31,9 +39,13 @@ def _init(config, seed=0):
   Real initialisers are covered in layers_test; here any well-scaled values do.
   """
   model = network.Transformer(config)
-  abstract = jax.eval_shape(functools.partial(model.init, enable_dropout=False),
-                            jax.random.PRNGKey(0), ENCODER_TOKENS, _shift_right(TARGETS),
-                            TARGETS)
+  abstract = jax.eval_shape(
+    functools.partial(model.init, enable_dropout=False),
+    jax.random.PRNGKey(0),
+    ENCODER_TOKENS,
+    _shift_right(TARGETS),
+    TARGETS,
+  )
   rng = np.random.RandomState(seed)
 
   def sample(path, leaf):
@@ -53,8 +65,9 @@ def _jitted_apply(config, static_items):
   return jax.jit(functools.partial(model.apply, **dict(static_items)))
 
 
-def _logits(model, params, encoder_tokens=ENCODER_TOKENS, targets=TARGETS, rngs=None,
-            **static_kwargs):
+def _logits(
+  model, params, encoder_tokens=ENCODER_TOKENS, targets=TARGETS, rngs=None, **static_kwargs
+):
   """Jitted Transformer.__call__; static_kwargs (enable_dropout, mutable, ...) are static."""
   apply = _jitted_apply(model.config, tuple(sorted(static_kwargs.items())))
   return apply({'params': params}, encoder_tokens, _shift_right(targets), targets, rngs=rngs)
@@ -64,8 +77,9 @@ def test_config_is_frozen_and_replaceable():
   with pytest.raises(dataclasses.FrozenInstanceError):
     TINY.emb_dim = 4  # type: ignore[misc]
   assert dataclasses.replace(TINY, emb_dim=16).emb_dim == 16
-  assert network.T5Config(**{**dataclasses.asdict(TINY), 'mlp_activations': ['relu']}) == \
-      dataclasses.replace(TINY, mlp_activations=('relu',))
+  assert network.T5Config(
+    **{**dataclasses.asdict(TINY), 'mlp_activations': ['relu']}
+  ) == dataclasses.replace(TINY, mlp_activations=('relu',))
   with pytest.raises(ValueError, match='remat_policy'):
     dataclasses.replace(TINY, remat_policy='some')
   with pytest.raises(ValueError, match='max_distance'):
@@ -76,19 +90,29 @@ def test_config_is_frozen_and_replaceable():
 def test_param_tree_names(config):
   _, params = _init(config)
   assert set(params) == {'token_embedder', 'encoder', 'decoder'}
-  assert set(params['encoder']['layers_0']) == {'pre_attention_layer_norm', 'attention',
-                                                'pre_mlp_layer_norm', 'mlp'}
+  assert set(params['encoder']['layers_0']) == {
+    'pre_attention_layer_norm',
+    'attention',
+    'pre_mlp_layer_norm',
+    'mlp',
+  }
   assert set(params['decoder']['layers_1']) == {
-      'pre_self_attention_layer_norm', 'self_attention', 'pre_cross_attention_layer_norm',
-      'encoder_decoder_attention', 'pre_mlp_layer_norm', 'mlp'}
+    'pre_self_attention_layer_norm',
+    'self_attention',
+    'pre_cross_attention_layer_norm',
+    'encoder_decoder_attention',
+    'pre_mlp_layer_norm',
+    'mlp',
+  }
   assert params['decoder']['relpos_bias']['rel_embedding'].shape == (4, 32)
   assert ('logits_dense' in params['decoder']) == (not config.logits_via_embedding)
 
 
 def test_tied_logits_are_scaled_embedding_attend():
   model, params = _init(TINY_V1_0)
-  logits, state = _logits(model, params, enable_dropout=False, capture_intermediates=True,
-                          mutable=('intermediates',))
+  logits, state = _logits(
+    model, params, enable_dropout=False, capture_intermediates=True, mutable=('intermediates',)
+  )
   hidden = state['intermediates']['decoder']['decoder_norm']['__call__'][0]
   expected = np.asarray(hidden) / np.sqrt(32) @ np.asarray(params['token_embedder']['embedding']).T
   np.testing.assert_allclose(np.asarray(logits), expected, rtol=1e-4, atol=1e-4)
@@ -100,13 +124,13 @@ def test_packed_examples_match_unpacked():
   enc_a, tgt_a = [3, 4, 5, 1], [6, 7, 1]
   enc_b, tgt_b = [8, 9, 1], [10, 1]
   packed = dict(
-      encoder_input_tokens=jnp.array([enc_a + enc_b + [0]]),
-      encoder_segment_ids=jnp.array([[1, 1, 1, 1, 2, 2, 2, 0]]),
-      encoder_positions=jnp.array([[0, 1, 2, 3, 0, 1, 2, 0]]),
-      decoder_target_tokens=jnp.array([tgt_a + tgt_b + [0]]),
-      decoder_input_tokens=jnp.array([[0, 6, 7, 0, 10, 0]]),
-      decoder_segment_ids=jnp.array([[1, 1, 1, 2, 2, 0]]),
-      decoder_positions=jnp.array([[0, 1, 2, 0, 1, 0]]),
+    encoder_input_tokens=jnp.array([enc_a + enc_b + [0]]),
+    encoder_segment_ids=jnp.array([[1, 1, 1, 1, 2, 2, 2, 0]]),
+    encoder_positions=jnp.array([[0, 1, 2, 3, 0, 1, 2, 0]]),
+    decoder_target_tokens=jnp.array([tgt_a + tgt_b + [0]]),
+    decoder_input_tokens=jnp.array([[0, 6, 7, 0, 10, 0]]),
+    decoder_segment_ids=jnp.array([[1, 1, 1, 2, 2, 0]]),
+    decoder_positions=jnp.array([[0, 1, 2, 0, 1, 0]]),
   )
   apply = jax.jit(functools.partial(model.apply, enable_dropout=False))
   packed_logits = apply({'params': params}, **packed)
@@ -123,8 +147,10 @@ def test_packed_examples_match_unpacked():
 def _restack(params, config):
   """Plain per-layer params -> scan layout (layers stacked on a leading axis)."""
   params = jax.tree.map(lambda x: x, params)  # copy the dict structure
-  for stack, num in (('encoder', config.num_encoder_layers),
-                     ('decoder', config.num_decoder_layers)):
+  for stack, num in (
+    ('encoder', config.num_encoder_layers),
+    ('decoder', config.num_decoder_layers),
+  ):
     per_layer = [params[stack].pop(f'layers_{i}') for i in range(num)]
     params[stack]['layers'] = jax.tree.map(lambda *xs: jnp.stack(xs), *per_layer)
   return params
@@ -135,12 +161,20 @@ def _encode_and_init_cache(model, params, cache_tokens, max_decode_length=None):
 
   @jax.jit
   def run(params):
-    encoded = model.apply({'params': params}, ENCODER_TOKENS, enable_dropout=False,
-                          method=network.Transformer.encode)
-    _, variables = model.apply({'params': params}, encoded, ENCODER_TOKENS, cache_tokens,
-                               decode=True, max_decode_length=max_decode_length,
-                               enable_dropout=False, mutable=['cache'],
-                               method=network.Transformer.decode)
+    encoded = model.apply(
+      {'params': params}, ENCODER_TOKENS, enable_dropout=False, method=network.Transformer.encode
+    )
+    _, variables = model.apply(
+      {'params': params},
+      encoded,
+      ENCODER_TOKENS,
+      cache_tokens,
+      decode=True,
+      max_decode_length=max_decode_length,
+      enable_dropout=False,
+      mutable=['cache'],
+      method=network.Transformer.decode,
+    )
     return encoded, variables
 
   return run(params)
@@ -153,26 +187,36 @@ def _decode_with_cache(model, params, max_len):
 
   @jax.jit
   def step(cache, tokens):
-    logits, variables = model.apply({'params': params, 'cache': cache}, encoded,
-                                    ENCODER_TOKENS, tokens, decode=True, enable_dropout=False,
-                                    mutable=['cache'], method=network.Transformer.decode)
+    logits, variables = model.apply(
+      {'params': params, 'cache': cache},
+      encoded,
+      ENCODER_TOKENS,
+      tokens,
+      decode=True,
+      enable_dropout=False,
+      mutable=['cache'],
+      method=network.Transformer.decode,
+    )
     return logits, variables['cache']
 
   inputs = _shift_right(TARGETS)
   outputs = []
   for i in range(TARGETS.shape[1]):
-    logits, cache = step(cache, inputs[:, i:i + 1])
+    logits, cache = step(cache, inputs[:, i : i + 1])
     outputs.append(logits)
   return jnp.concatenate(outputs, axis=1), cache
 
 
-@pytest.mark.parametrize('variant', [dict(), dict(scan_layers=True),
-                                     dict(scan_layers=True, remat_policy='full')],
-                         ids=['loop', 'scan', 'scan_remat'])
+@pytest.mark.parametrize(
+  'variant',
+  [dict(), dict(scan_layers=True), dict(scan_layers=True, remat_policy='full')],
+  ids=['loop', 'scan', 'scan_remat'],
+)
 def test_cached_decoding_matches_teacher_forcing(variant):
   # max_distance 5 < target length 7, so saturated relative buckets are exercised too.
-  config = dataclasses.replace(TINY, relative_attention_num_buckets=8,
-                               relative_attention_max_distance=5, **variant)
+  config = dataclasses.replace(
+    TINY, relative_attention_num_buckets=8, relative_attention_max_distance=5, **variant
+  )
   model, params = _init(config)
   full = _logits(model, params, enable_dropout=False)
   stepped, cache = _decode_with_cache(model, params, max_len=TARGETS.shape[1])
@@ -188,8 +232,9 @@ def test_cached_decoding_matches_teacher_forcing(variant):
 
 def test_cache_longer_than_steps_via_max_decode_length():
   model, params = _init(TINY)
-  _, variables = _encode_and_init_cache(model, params, jnp.ones((2, 1), jnp.int32),
-                                        max_decode_length=11)
+  _, variables = _encode_and_init_cache(
+    model, params, jnp.ones((2, 1), jnp.int32), max_decode_length=11
+  )
   cached_key = variables['cache']['decoder']['layers_0']['self_attention']['cached_key']
   assert cached_key.shape == (2, 4, 11, 8)  # [batch, heads, length, kv]
 
@@ -203,8 +248,11 @@ def test_scan_and_remat_match_plain_network():
 
   plain_grads = jax.jit(jax.grad(loss(model, params)))(params)
   # Remat only changes the backward pass, so its variants also compare gradients.
-  variants = [(dict(scan_layers=True), False), (dict(remat_policy='minimal'), True),
-              (dict(remat_policy='full', scan_layers=True), True)]
+  variants = [
+    (dict(scan_layers=True), False),
+    (dict(remat_policy='minimal'), True),
+    (dict(remat_policy='full', scan_layers=True), True),
+  ]
   for variant, check_grads in variants:
     config = dataclasses.replace(TINY, **variant)
     variant_model = network.Transformer(config)
@@ -214,14 +262,20 @@ def test_scan_and_remat_match_plain_network():
     if check_grads:
       grads = jax.jit(jax.grad(loss(variant_model, variant_params)))(variant_params)
       expected = _restack(plain_grads, config) if config.scan_layers else plain_grads
-      jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5, err_msg=variant),
-                   grads, expected)
+      jax.tree.map(
+        lambda a, b, msg=variant: np.testing.assert_allclose(a, b, atol=1e-5, err_msg=msg),
+        grads,
+        expected,
+      )
 
 
 def test_scanned_params_have_layers_axis():
   model = network.Transformer(dataclasses.replace(TINY, scan_layers=True))
-  variables = jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), ENCODER_TOKENS,
-                                                TARGETS, TARGETS, enable_dropout=False))
+  variables = jax.eval_shape(
+    lambda: model.init(
+      jax.random.PRNGKey(0), ENCODER_TOKENS, TARGETS, TARGETS, enable_dropout=False
+    )
+  )
   kernel = variables['params']['encoder']['layers']['mlp']['wi_0']['kernel']
   assert kernel.names == ('layers', 'embed', 'mlp')
   assert kernel.value.shape == (2, 32, 64)

@@ -13,10 +13,18 @@ from jax.sharding import PartitionSpec as P
 
 from t5x_lite import network, partitioning
 
-TINY = network.T5Config(vocab_size=64, emb_dim=32, num_heads=4, head_dim=8, mlp_dim=64,
-                        num_encoder_layers=2, num_decoder_layers=2,
-                        mlp_activations=('gelu', 'linear'), dropout_rate=0.0,
-                        logits_via_embedding=False)
+TINY = network.T5Config(
+  vocab_size=64,
+  emb_dim=32,
+  num_heads=4,
+  head_dim=8,
+  mlp_dim=64,
+  num_encoder_layers=2,
+  num_decoder_layers=2,
+  mlp_activations=('gelu', 'linear'),
+  dropout_rate=0.0,
+  logits_via_embedding=False,
+)
 TOKENS = jnp.array([[3, 4, 5, 1]] * 4, jnp.int32)
 
 
@@ -33,8 +41,7 @@ def test_create_mesh():
   assert dict(mesh.shape) == {'data': 4, 'model': 2}
   assert dict(partitioning.create_mesh(num_partitions=2).shape) == {'data': 4, 'model': 2}
   assert dict(partitioning.create_mesh().shape) == {'data': 8, 'model': 1}
-  assert dict(partitioning.create_mesh(devices=jax.devices()[:2]).shape) == {'data': 2,
-                                                                            'model': 1}
+  assert dict(partitioning.create_mesh(devices=jax.devices()[:2]).shape) == {'data': 2, 'model': 1}
   with pytest.raises(ValueError, match='does not match'):
     partitioning.create_mesh(data=3, model=2)
 
@@ -45,8 +52,9 @@ def test_initialised_params_are_sharded_by_logical_axes():
   _, init, abstract = _abstract_variables(TINY)
   shardings = partitioning.logical_shardings(abstract, mesh, rules)
   with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
-    variables = jax.jit(init, out_shardings=shardings)(jax.random.PRNGKey(0), TOKENS, TOKENS,
-                                                       TOKENS)
+    variables = jax.jit(init, out_shardings=shardings)(
+      jax.random.PRNGKey(0), TOKENS, TOKENS, TOKENS
+    )
   params = nn.meta.unbox(variables['params'])
   wi = params['encoder']['layers_0']['mlp']['wi_0']['kernel']
   assert wi.sharding.spec == P(None, 'model')
@@ -69,7 +77,8 @@ def test_fsdp_shards_embed_over_data():
   assert shardings['token_embedder']['embedding'].spec == P('model', 'data')
   assert shardings['encoder']['layers_0']['mlp']['wo']['kernel'].spec == P('model', 'data')
   assert shardings['encoder']['layers_0']['attention']['out']['kernel'].spec == P(
-      'model', None, 'data')
+    'model', None, 'data'
+  )
   assert shardings['encoder']['encoder_norm']['scale'].spec == P('data')
   params = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), nn.meta.unbox(abstract['params']))
   placed = jax.device_put(params, shardings)
@@ -80,8 +89,9 @@ def test_fsdp_shards_embed_over_data():
 def test_scanned_layers_axis_is_replicated():
   mesh = partitioning.create_mesh(data=4, model=2)
   _, _, abstract = _abstract_variables(dataclasses.replace(TINY, scan_layers=True))
-  shardings = partitioning.logical_shardings(abstract, mesh,
-                                             partitioning.standard_logical_axis_rules())
+  shardings = partitioning.logical_shardings(
+    abstract, mesh, partitioning.standard_logical_axis_rules()
+  )
   layers = shardings['params']['decoder']['layers']
   assert layers['mlp']['wi_1']['kernel'].spec == P(None, None, 'model')
   assert layers['self_attention']['out']['kernel'].spec == P(None, 'model', None, None)
@@ -92,8 +102,12 @@ def test_optimizer_state_and_plain_leaves():
   rules = partitioning.standard_logical_axis_rules(fsdp=True)
   _, _, abstract = _abstract_variables(TINY)
   opt_state = jax.eval_shape(optax.adamw(1e-3).init, abstract['params'])
-  tree = {'opt_state': opt_state, 'step': jnp.zeros((), jnp.int32), 'plain': np.ones((3, 2)),
-          'scalar': 1.5}
+  tree = {
+    'opt_state': opt_state,
+    'step': jnp.zeros((), jnp.int32),
+    'plain': np.ones((3, 2)),
+    'scalar': 1.5,
+  }
   shardings = partitioning.logical_shardings(tree, mesh, rules)
   adam = shardings['opt_state'][0]
   assert adam.mu['encoder']['layers_0']['mlp']['wi_0']['kernel'].spec == P('data', 'model')
@@ -108,8 +122,9 @@ def test_sharded_forward_matches_unsharded():
   rules = partitioning.standard_logical_axis_rules()
   model, _, abstract = _abstract_variables(TINY)
   rng = np.random.RandomState(0)
-  params = jax.tree.map(lambda s: jnp.asarray(0.3 * rng.randn(*s.shape), jnp.float32),
-                        nn.meta.unbox(abstract['params']))
+  params = jax.tree.map(
+    lambda s: jnp.asarray(0.3 * rng.randn(*s.shape), jnp.float32), nn.meta.unbox(abstract['params'])
+  )
   apply = functools.partial(model.apply, enable_dropout=False)
   expected = jax.jit(apply)({'params': params}, TOKENS, TOKENS, TOKENS)
   param_shardings = partitioning.logical_shardings(abstract, mesh, rules)['params']

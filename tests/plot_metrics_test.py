@@ -44,7 +44,8 @@ def test_non_finite_values_survive_as_strings(tmp_path):
 
 def test_progress_line_has_step_loss_and_eta():
   line = metrics_logging.progress_line(
-      "train", 12, 100, {"loss": 2.5, "throughput/mfu": 0.123}, eta_seconds=125)
+    "train", 12, 100, {"loss": 2.5, "throughput/mfu": 0.123}, eta_seconds=125
+  )
   assert line == "train step 12/100 | loss 2.5000 | MFU 12.3% | ETA 2m05s"
 
 
@@ -54,8 +55,11 @@ def test_plot_tool_writes_png(tmp_path):
   with open(tmp_path / "metrics.jsonl", "a") as f:
     f.write('{"step": 31, "split": "tr')  # a run killed mid-line
   result = subprocess.run(
-      [sys.executable, os.path.join(REPO, "tools", "plot_metrics.py"), str(tmp_path)],
-      capture_output=True, text=True, check=True)
+    [sys.executable, os.path.join(REPO, "tools", "plot_metrics.py"), str(tmp_path)],
+    capture_output=True,
+    text=True,
+    check=True,
+  )
   assert "loss, accuracy, learning_rate" in result.stdout
   pixels = image.imread(tmp_path / "metrics.png")
   assert pixels.shape[0] > 100 and pixels.shape[1] > 300
@@ -74,8 +78,12 @@ def test_repeated_steps_keep_the_last_value(tmp_path):
 def test_plot_without_known_metrics_fails(tmp_path):
   _write_run(tmp_path)
   with pytest.raises(ValueError, match="None of"):
-    plot_metrics.plot(plot_metrics.read_metrics(str(tmp_path / "metrics.jsonl")),
-                      ["bleu"], str(tmp_path / "x.png"), "t")
+    plot_metrics.plot(
+      plot_metrics.read_metrics(str(tmp_path / "metrics.jsonl")),
+      ["bleu"],
+      str(tmp_path / "x.png"),
+      "t",
+    )
 
 
 def test_relative_paths_and_bad_inputs(tmp_path, monkeypatch, capsys):
@@ -85,8 +93,8 @@ def test_relative_paths_and_bad_inputs(tmp_path, monkeypatch, capsys):
   assert f"Wrote {tmp_path}/plots/metrics.png (loss" in capsys.readouterr().out
   assert (tmp_path / "plots" / "metrics.png").exists()
   for argv, message in [
-      (["nope"], f"ERROR: {tmp_path}/nope/metrics.jsonl not found: is nope a training MODEL_DIR?"),
-      (["run", "--metrics", "bleu"], "ERROR: None of ['bleu'] found in the metrics file."),
+    (["nope"], f"ERROR: {tmp_path}/nope/metrics.jsonl not found: is nope a training MODEL_DIR?"),
+    (["run", "--metrics", "bleu"], "ERROR: None of ['bleu'] found in the metrics file."),
   ]:
     with pytest.raises(SystemExit) as exit_:
       plot_metrics.main(argv)
@@ -99,8 +107,12 @@ def test_peak_table_and_rates():
   assert throughput.table_peak_flops("NVIDIA H100 80GB HBM3") == 989e12
   assert throughput.table_peak_flops("cpu") is None
   rates = throughput.Throughput(
-      rows_per_step=8, tokens_per_step=8 * 100, flops_per_step=4e9,
-      num_devices=2, peak_flops_per_device=1e10).rates(steps=10, seconds=4.0)
+    rows_per_step=8,
+    tokens_per_step=8 * 100,
+    flops_per_step=4e9,
+    num_devices=2,
+    peak_flops_per_device=1e10,
+  ).rates(steps=10, seconds=4.0)
   assert rates["throughput/seqs_per_sec_per_device"] == pytest.approx(10.0)
   assert rates["throughput/tokens_per_sec_per_device"] == pytest.approx(1000.0)
   assert rates["throughput/mfu"] == pytest.approx(0.5)

@@ -21,17 +21,25 @@ pytestmark = pytest.mark.slow  # subprocess runs of the entry points
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HAS_LIBTPU = importlib.util.find_spec("libtpu") is not None
 needs_libtpu = pytest.mark.skipif(not HAS_LIBTPU, reason="libtpu missing: pip install -e '.[tpu]'")
-TINY = ("--gin_file=quickstart.gin", "--gin.BATCH_SIZE=8",
-        "--gin.TASK_FEATURE_LENGTHS={'inputs': 64, 'targets': 16}")
+TINY = (
+  "--gin_file=quickstart.gin",
+  "--gin.BATCH_SIZE=8",
+  "--gin.TASK_FEATURE_LENGTHS={'inputs': 64, 'targets': 16}",
+)
 
 
 def _precompile(topology: str, *gin_args: str) -> subprocess.CompletedProcess:
   env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
   env.pop("XLA_FLAGS", None)  # the 8 fake CPU devices of conftest play no part here
   return subprocess.run(
-      [sys.executable, "-m", "t5x_lite.train", *gin_args, "--precompile",
-       f"--topology={topology}"],
-      cwd=REPO, env=env, capture_output=True, text=True, timeout=900, check=False)
+    [sys.executable, "-m", "t5x_lite.train", *gin_args, "--precompile", f"--topology={topology}"],
+    cwd=REPO,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=900,
+    check=False,
+  )
 
 
 def test_unknown_topology_lists_accepted_names():
@@ -48,11 +56,17 @@ def test_parse_topology_and_hbm_table():
   gen, dims = precompile.parse_topology("v5e:4x8")
   assert (gen.name, dims, gen.hbm_gib) == ("v5e", (4, 8), 16)
   assert {g: precompile.GENERATIONS[g].hbm_gib for g in precompile.GENERATIONS} == {
-      "v4": 32, "v5e": 16, "v5p": 95, "v6e": 32}
+    "v4": 32,
+    "v5e": 16,
+    "v5p": 95,
+    "v6e": 32,
+  }
 
 
 def test_mesh_that_does_not_divide_chips_names_both_numbers():
-  with pytest.raises(precompile.PrecompileError, match=r"num_partitions=3 .* the 8 chips of v5e:2x4"):
+  with pytest.raises(
+    precompile.PrecompileError, match=r"num_partitions=3 .* the 8 chips of v5e:2x4"
+  ):
     precompile.slice_mesh(jax.devices()[:8], "v5e:2x4", 3)
   mesh = precompile.slice_mesh(jax.devices()[:8], "v5e:2x4", 2)
   assert dict(mesh.shape) == {"data": 4, "model": 2}
@@ -60,8 +74,11 @@ def test_mesh_that_does_not_divide_chips_names_both_numbers():
 
 def test_missing_libtpu_says_how_to_install(monkeypatch):
   real_find_spec = importlib.util.find_spec
-  monkeypatch.setattr(importlib.util, "find_spec",
-                      lambda name, *a: None if name == "libtpu" else real_find_spec(name, *a))
+  monkeypatch.setattr(
+    importlib.util,
+    "find_spec",
+    lambda name, *a: None if name == "libtpu" else real_find_spec(name, *a),
+  )
   with pytest.raises(precompile.PrecompileError, match=re.escape("pip install -e '.[tpu]'")):
     precompile.run("v5e:2x2")
 
@@ -89,8 +106,12 @@ def test_tiny_config_fits_a_small_slice():
 @needs_libtpu
 def test_impossible_config_exits_nonzero_with_advice():
   # A batch of 4096 x (512 + 114) tokens on one v5e chip: logits alone exceed HBM.
-  result = _precompile("v5e:1x1", "--gin_file=quickstart.gin", "--gin.BATCH_SIZE=4096",
-                       "--gin.TASK_FEATURE_LENGTHS={'inputs': 512, 'targets': 114}")
+  result = _precompile(
+    "v5e:1x1",
+    "--gin_file=quickstart.gin",
+    "--gin.BATCH_SIZE=4096",
+    "--gin.TASK_FEATURE_LENGTHS={'inputs': 512, 'targets': 114}",
+  )
   assert result.returncode == 1, result.stdout[-2000:] + result.stderr[-4000:]
   assert "DOES NOT FIT" in result.stdout
   for advice in ("num_partitions", "fsdp", "remat_policy", "num_microbatches"):

@@ -34,18 +34,21 @@ README = REPO / "README.md"
 
 # What the README documents for trying a command quickly, by entry point.
 SHORTENING = {
-    "python -m t5x_lite.train": "--gin.TRAIN_STEPS=3 --gin.EVAL_STEPS=1",
-    "python -m t5x_lite.eval": "--gin.NUM_EXAMPLES=8",
+  "python -m t5x_lite.train": "--gin.TRAIN_STEPS=3 --gin.EVAL_STEPS=1",
+  "python -m t5x_lite.eval": "--gin.NUM_EXAMPLES=8",
 }
 # Commands that are not run here: (pattern in the command or its section, reason).
 SKIPPED = (
-    ("pytest", "runs this test suite"),
-    ("c4_v220", "reads C4 from TFDS, which is not on this machine"),
-    ("--precompile", "compiles T5 1.1 small..xxl for a TPU slice (minutes to an hour); "
-                     "tests/precompile_test.py compiles the same path for a tiny model"),
-    ("tools/benchmark.py", "times T5 1.1 small for minutes; tests/benchmark_test.py runs it tiny"),
-    ("pip install", "the package and its extras are installed already"),
-    ("Run on a TPU pod or GPU cluster", "needs a TPU slice or a GPU cluster"),
+  ("pytest", "runs this test suite"),
+  ("c4_v220", "reads C4 from TFDS, which is not on this machine"),
+  (
+    "--precompile",
+    "compiles T5 1.1 small..xxl for a TPU slice (minutes to an hour); "
+    "tests/precompile_test.py compiles the same path for a tiny model",
+  ),
+  ("tools/benchmark.py", "times T5 1.1 small for minutes; tests/benchmark_test.py runs it tiny"),
+  ("pip install", "the package and its extras are installed already"),
+  ("Run on a TPU pod or GPU cluster", "needs a TPU slice or a GPU cluster"),
 )
 _COMMAND_WORDS = ("python", "printf", "pip")
 _FILE_IN_HEADING = re.compile(r"`([\w./-]+\.(?:py|gin))`")
@@ -55,8 +58,8 @@ _FILE_IN_HEADING = re.compile(r"`([\w./-]+\.(?:py|gin))`")
 class Block:
   """One fenced block of the README and the headings it sits under."""
 
-  section: str   # the `##` heading
-  heading: str   # the innermost heading
+  section: str  # the `##` heading
+  heading: str  # the innermost heading
   lang: str
   text: str
   line: int
@@ -169,7 +172,7 @@ def readme_steps(text: str) -> tuple[list[Step], list[tuple[str, str]]]:
 
 def _paragraph_before(text: str, line: int) -> str:
   """The non-empty lines just before a block's fence (1-based `line` of its body)."""
-  before = text.splitlines()[:line - 1]
+  before = text.splitlines()[: line - 1]
   paragraph: list[str] = []
   for previous in reversed(before[:-1]):
     if not previous.strip():
@@ -191,8 +194,11 @@ def _sst2_fixture(data_dir: Path) -> None:
 
 def _not_copied(directory: str, names: list[str]) -> set[str]:
   """What a fresh clone lacks: git data, the venv, caches and the top-level runs/."""
-  skipped = {n for n in names if n in (".git", ".venv", "__pycache__", ".pytest_cache")
-             or n.endswith(".egg-info")}
+  skipped = {
+    n
+    for n in names
+    if n in (".git", ".venv", "__pycache__", ".pytest_cache") or n.endswith(".egg-info")
+  }
   if Path(directory) == REPO:
     skipped |= {n for n in names if n in ("runs", "my_data", "inputs.jsonl", "reviews.jsonl")}
   return skipped
@@ -200,8 +206,9 @@ def _not_copied(directory: str, names: list[str]) -> set[str]:
 
 def _user_env() -> dict[str, str]:
   """A user's environment: the test's interpreter first on PATH, one CPU device."""
-  env = {k: v for k, v in os.environ.items()
-         if k not in ("XLA_FLAGS", "JAX_PLATFORMS", "PYTHONPATH")}
+  env = {
+    k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS", "PYTHONPATH")
+  }
   env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
   return env
 
@@ -210,11 +217,19 @@ def test_readme_has_the_flows_this_test_promises():
   steps, skipped = readme_steps(README.read_text())
   commands = [s.command for s in steps if s.command]
   files = [s.file for s in steps if s.file]
-  assert commands[0] == ("python -m t5x_lite.train --gin_file=quickstart.gin "
-                         + SHORTENING["python -m t5x_lite.train"])
-  for expected in ("quickstart_finetune.gin", "tools/plot_metrics.py", "tools/show_task.py",
-                   "t5x_lite.eval", "t5x_lite.infer", "local_glue_sst2", "my_sentiment",
-                   "tools/convert_hf_checkpoint.py"):
+  assert commands[0] == (
+    "python -m t5x_lite.train --gin_file=quickstart.gin " + SHORTENING["python -m t5x_lite.train"]
+  )
+  for expected in (
+    "quickstart_finetune.gin",
+    "tools/plot_metrics.py",
+    "tools/show_task.py",
+    "t5x_lite.eval",
+    "t5x_lite.infer",
+    "local_glue_sst2",
+    "my_sentiment",
+    "tools/convert_hf_checkpoint.py",
+  ):
     assert any(expected in c for c in commands), expected
   assert {"my_tasks.py", "my_sentiment.gin"} <= set(files)
   assert any(f.endswith(".tsv") for f in files)
@@ -235,10 +250,12 @@ def test_readme_commands_run_as_written(tmp_path):
       path.write_text(step.text)
       continue
     start = time.time()
-    result = subprocess.run(["bash", "-c", step.command], cwd=root, env=env,
-                            capture_output=True, text=True, timeout=900)
+    result = subprocess.run(
+      ["bash", "-c", step.command], cwd=root, env=env, capture_output=True, text=True, timeout=900
+    )
     output = result.stdout + result.stderr
     assert result.returncode == 0, (
-        f"README.md:{step.line}: `{step.command}` exited {result.returncode} after "
-        f"{time.time() - start:.0f} s:\n{output[-4000:]}")
+      f"README.md:{step.line}: `{step.command}` exited {result.returncode} after "
+      f"{time.time() - start:.0f} s:\n{output[-4000:]}"
+    )
     assert "Traceback" not in output, f"README.md:{step.line}: `{step.command}`:\n{output[-4000:]}"

@@ -37,7 +37,8 @@ VOCAB = seqio.ByteVocabulary()
 def _fixed_source(split: str, shuffle_files: bool, seed: int | None = None) -> tf.data.Dataset:
   del split, shuffle_files, seed
   return tf.data.Dataset.from_tensors(
-      {"inputs": "translate: the cat sat on the mat", "targets": "die Katze sass auf der Matte"})
+    {"inputs": "translate: the cat sat on the mat", "targets": "die Katze sass auf der Matte"}
+  )
 
 
 def _text_source(split: str, shuffle_files: bool, seed: int | None = None) -> tf.data.Dataset:
@@ -49,10 +50,10 @@ def _text_source(split: str, shuffle_files: bool, seed: int | None = None) -> tf
 for _name, _fn in ((FIXED_TASK, _fixed_source), (TEXT_TASK, _text_source)):
   if _name not in seqio.TaskRegistry.names():
     seqio.TaskRegistry.add(
-        _name,
-        source=seqio.FunctionDataSource(_fn, splits=["train", "validation"]),
-        preprocessors=[seqio.preprocessors.tokenize, seqio.preprocessors.append_eos],
-        output_features={"inputs": seqio.Feature(VOCAB), "targets": seqio.Feature(VOCAB)},
+      _name,
+      source=seqio.FunctionDataSource(_fn, splits=["train", "validation"]),
+      preprocessors=[seqio.preprocessors.tokenize, seqio.preprocessors.append_eos],
+      output_features={"inputs": seqio.Feature(VOCAB), "targets": seqio.Feature(VOCAB)},
     )
 
 
@@ -64,18 +65,32 @@ def _clean_gin():
 
 
 def _model(**overrides) -> models.EncoderDecoderModel:
-  fields = dict(vocab_size=320, emb_dim=32, num_heads=2, head_dim=16, mlp_dim=64,
-                num_encoder_layers=1, num_decoder_layers=1, mlp_activations=("gelu", "linear"),
-                dropout_rate=0.0, logits_via_embedding=False)
+  fields = dict(
+    vocab_size=320,
+    emb_dim=32,
+    num_heads=2,
+    head_dim=16,
+    mlp_dim=64,
+    num_encoder_layers=1,
+    num_decoder_layers=1,
+    mlp_activations=("gelu", "linear"),
+    dropout_rate=0.0,
+    logits_via_embedding=False,
+  )
   fields.update(overrides)
   module = network.Transformer(network.T5Config(**fields))
-  return models.EncoderDecoderModel(module, VOCAB, VOCAB,
-                                    loss_normalizing_factor="NUM_REAL_TARGET_TOKENS")
+  return models.EncoderDecoderModel(
+    module, VOCAB, VOCAB, loss_normalizing_factor="NUM_REAL_TARGET_TOKENS"
+  )
 
 
 def _dataset(task: str = TEXT_TASK, **overrides) -> data.DatasetConfig:
-  fields = dict(mixture_or_task_name=task, task_feature_lengths={"inputs": 48, "targets": 48},
-                batch_size=8, pack=False)
+  fields = dict(
+    mixture_or_task_name=task,
+    task_feature_lengths={"inputs": 48, "targets": 48},
+    batch_size=8,
+    pack=False,
+  )
   fields.update(overrides)
   return data.DatasetConfig(**fields)
 
@@ -97,19 +112,30 @@ def _records(model_dir, split: str = "train") -> list[dict]:
 
 
 def test_loss_on_a_repeated_batch_falls_by_more_than_half(tmp_path):
-  _train(tmp_path, 30, train_dataset_cfg=_dataset(FIXED_TASK),
-         optimizer=optimizers.adafactor(learning_rate=0.05),
-         # One validation example, three batches: two are all padding.
-         eval_dataset_cfg=_dataset(FIXED_TASK, split="validation"), eval_period=30,
-         eval_steps=3)
+  _train(
+    tmp_path,
+    30,
+    train_dataset_cfg=_dataset(FIXED_TASK),
+    optimizer=optimizers.adafactor(learning_rate=0.05),
+    # One validation example, three batches: two are all padding.
+    eval_dataset_cfg=_dataset(FIXED_TASK, split="validation"),
+    eval_period=30,
+    eval_steps=3,
+  )
   losses = [r["loss"] for r in _records(tmp_path)]
   assert len(losses) == 30
   assert losses[-1] < 0.5 * losses[0], losses
   [evaluation] = _records(tmp_path, "eval")
   assert evaluation["step"] == 30 and evaluation["loss"] < 0.5 * losses[0], evaluation
   record = _records(tmp_path)[-1]
-  for key in ("accuracy", "learning_rate", "grad_norm", "throughput/tokens_per_sec_per_device",
-              "throughput/seqs_per_sec_per_device", "throughput/mfu"):
+  for key in (
+    "accuracy",
+    "learning_rate",
+    "grad_norm",
+    "throughput/tokens_per_sec_per_device",
+    "throughput/seqs_per_sec_per_device",
+    "throughput/mfu",
+  ):
     assert np.isfinite(record[key]), key
   assert record["learning_rate"] == pytest.approx(0.05)
   assert os.path.exists(tmp_path / "30" / "params")
@@ -152,10 +178,12 @@ def _abstract_params(model: models.EncoderDecoderModel):
   """Unboxed abstract params on one device (restore target)."""
   shapes = data.model_input_shapes(_dataset())
   boxed = jax.eval_shape(
-      lambda: model.get_initial_variables(jax.random.PRNGKey(0), shapes)["params"])
+    lambda: model.get_initial_variables(jax.random.PRNGKey(0), shapes)["params"]
+  )
   device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device),
-                      nn.meta.unbox(boxed))
+  return jax.tree.map(
+    lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), nn.meta.unbox(boxed)
+  )
 
 
 @pytest.fixture(scope="module")
@@ -170,18 +198,26 @@ def pretrained(tmp_path_factory):
 def test_model_dir_of_a_different_model_lists_paths_and_shapes(pretrained):
   with pytest.raises(checkpoints.CheckpointMismatchError) as e:
     _train(pretrained, 3, model=_model(logits_via_embedding=True, emb_dim=48))
-  assert ("shape mismatch: token_embedder/embedding checkpoint (320, 32) vs model (320, 48)"
-          in str(e.value))
+  assert "shape mismatch: token_embedder/embedding checkpoint (320, 32) vs model (320, 48)" in str(
+    e.value
+  )
   assert "missing in checkpoint" not in str(e.value)
 
 
 def test_finetune_restores_params_only_and_names_missing_parameter(pretrained, tmp_path):
-  with pytest.raises(checkpoints.CheckpointMismatchError,
-                     match=r"missing in checkpoint: decoder/logits_dense/kernel \(32, 320\)"):
+  with pytest.raises(
+    checkpoints.CheckpointMismatchError,
+    match=r"missing in checkpoint: decoder/logits_dense/kernel \(32, 320\)",
+  ):
     _train(tmp_path / "untied", 3, initial_checkpoint_path=str(pretrained))
   tied = _model(logits_via_embedding=True)
-  state = _train(tmp_path / "ft", 1, model=tied, initial_checkpoint_path=str(pretrained),
-                 optimizer=optimizers.adafactor(learning_rate=0.0))
+  state = _train(
+    tmp_path / "ft",
+    1,
+    model=tied,
+    initial_checkpoint_path=str(pretrained),
+    optimizer=optimizers.adafactor(learning_rate=0.0),
+  )
   assert int(state.step) == 1  # step, optimizer and data restart: only params are loaded
   # Saved on a data=4 x model=2 mesh, restored into this run's data=8 shardings.
   mesh = state.params["token_embedder"]["embedding"].sharding.mesh
@@ -204,11 +240,22 @@ def test_unknown_gin_binding_is_named():
 
 
 def test_gin_shorthand_rewrite():
-  argv = cli.rewrite_gin_args(["prog", "--gin.MODEL_DIR=./runs/x", "--gin.TRAIN_STEPS=5",
-                               "--gin.train.optimizer=@adamw()", "--gin_file=a.gin"])
-  assert argv == ["prog", "--gin_bindings=MODEL_DIR = './runs/x'",
-                  "--gin_bindings=TRAIN_STEPS = 5", "--gin_bindings=train.optimizer = @adamw()",
-                  "--gin_file=a.gin"]
+  argv = cli.rewrite_gin_args(
+    [
+      "prog",
+      "--gin.MODEL_DIR=./runs/x",
+      "--gin.TRAIN_STEPS=5",
+      "--gin.train.optimizer=@adamw()",
+      "--gin_file=a.gin",
+    ]
+  )
+  assert argv == [
+    "prog",
+    "--gin_bindings=MODEL_DIR = './runs/x'",
+    "--gin_bindings=TRAIN_STEPS = 5",
+    "--gin_bindings=train.optimizer = @adamw()",
+    "--gin_file=a.gin",
+  ]
   with pytest.raises(ValueError, match="NAME=VALUE"):
     cli.rewrite_gin_args(["prog", "--gin.MODEL_DIR"])
 
@@ -216,29 +263,49 @@ def test_gin_shorthand_rewrite():
 # ---------------------------------------------------------------- subprocess
 
 _TINY_RUN = [
-    "--gin_file=quickstart.gin", "--gin.BATCH_SIZE=8",
-    "--gin.TASK_FEATURE_LENGTHS={'inputs': 32, 'targets': 8}",
-    "--gin.train.log_period=1", "--gin.TrainCheckpointer.save_period=5",
-    "--gin.EVAL_STEPS=1",
+  "--gin_file=quickstart.gin",
+  "--gin.BATCH_SIZE=8",
+  "--gin.TASK_FEATURE_LENGTHS={'inputs': 32, 'targets': 8}",
+  "--gin.train.log_period=1",
+  "--gin.TrainCheckpointer.save_period=5",
+  "--gin.EVAL_STEPS=1",
 ]
 
 
 def _command(model_dir, steps: int, *extra: str) -> list[str]:
-  return [sys.executable, "-m", "t5x_lite.train", *_TINY_RUN,
-          f"--gin.MODEL_DIR={model_dir}", f"--gin.TRAIN_STEPS={steps}", *extra]
+  return [
+    sys.executable,
+    "-m",
+    "t5x_lite.train",
+    *_TINY_RUN,
+    f"--gin.MODEL_DIR={model_dir}",
+    f"--gin.TRAIN_STEPS={steps}",
+    *extra,
+  ]
 
 
 # Two devices: sharded saves and restores, at a quarter of the 8-device compile cost.
 # The test session's log level is left out, and where the entry point itself would
 # choose the CPU (`t5x_lite.console`) its JAX_PLATFORMS too: runs show what users see.
-_ENV = {k: v for k, v in os.environ.items()
-        if k != "TF_CPP_MIN_LOG_LEVEL" and (k != "JAX_PLATFORMS" or console.has_accelerator())}
+_ENV = {
+  k: v
+  for k, v in os.environ.items()
+  if k != "TF_CPP_MIN_LOG_LEVEL" and (k != "JAX_PLATFORMS" or console.has_accelerator())
+}
 _ENV["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
 # Start-up and data-pipeline lines of TensorFlow, CUDA, libtpu, JAX and seqio that a
 # CPU run must not print.
-_NOISE = ("absl::InitializeLog", "cudart_stub.cc", "cuInit", "TPU_ACCELERATOR_TYPE",
-          "TPU_WORKER_HOSTNAMES", "Unable to initialize backend", "cache_dataset_ops.cc",
-          "not cached so using number of input examples", "uncached FunctionDataset")
+_NOISE = (
+  "absl::InitializeLog",
+  "cudart_stub.cc",
+  "cuInit",
+  "TPU_ACCELERATOR_TYPE",
+  "TPU_WORKER_HOSTNAMES",
+  "Unable to initialize backend",
+  "cache_dataset_ops.cc",
+  "not cached so using number of input examples",
+  "uncached FunctionDataset",
+)
 
 
 def _run(model_dir, steps: int, *extra: str) -> tuple[str, float]:
@@ -248,8 +315,14 @@ def _run(model_dir, steps: int, *extra: str) -> tuple[str, float]:
     Its output (stderr and stdout together) and the seconds from its last line to
     its exit.
   """
-  process = subprocess.Popen(_command(model_dir, steps, *extra), cwd=REPO, env=_ENV,
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+  process = subprocess.Popen(
+    _command(model_dir, steps, *extra),
+    cwd=REPO,
+    env=_ENV,
+    stdout=subprocess.PIPE,
+    stderr=subprocess.STDOUT,
+    text=True,
+  )
   watchdog = threading.Timer(900, process.kill)
   watchdog.start()
   lines, last_line = [], time.monotonic()
@@ -266,8 +339,13 @@ def _run(model_dir, steps: int, *extra: str) -> tuple[str, float]:
 
 def _start(model_dir, log_path) -> tuple[subprocess.Popen, object]:
   log = open(log_path, "w")
-  process = subprocess.Popen(_command(model_dir, 100_000, "--gin.EVAL_PERIOD=0"), cwd=REPO,
-                             env=_ENV, stdout=log, stderr=subprocess.STDOUT)
+  process = subprocess.Popen(
+    _command(model_dir, 100_000, "--gin.EVAL_PERIOD=0"),
+    cwd=REPO,
+    env=_ENV,
+    stdout=log,
+    stderr=subprocess.STDOUT,
+  )
   return process, log
 
 

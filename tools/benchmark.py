@@ -56,19 +56,28 @@ _DECODE_LEN = flags.DEFINE_integer("decode_length", 64, "New tokens per decode (
 _BEAMS = flags.DEFINE_integer("num_beams", 4, "Beam size of the beam-search figure.")
 _REPS = flags.DEFINE_integer("reps", 5, "Timed repetitions per figure (median reported).")
 _WARMUP = flags.DEFINE_integer("warmup", 2, "Untimed repetitions before timing.")
-_DTYPE = flags.DEFINE_enum("dtype", "auto", ["auto", "float32", "bfloat16"],
-                           "Activation dtype; auto: float32 on CPU, bfloat16 elsewhere.")
+_DTYPE = flags.DEFINE_enum(
+  "dtype",
+  "auto",
+  ["auto", "float32", "bfloat16"],
+  "Activation dtype; auto: float32 on CPU, bfloat16 elsewhere.",
+)
 _MATMUL = flags.DEFINE_integer("matmul_size", 2048, "Square size of the peak matmul.")
 _LR = flags.DEFINE_float("learning_rate", 0.01, "Constant learning rate of both optimizers.")
-_DATA_TASK = flags.DEFINE_string("data_task", "cpython_span_corruption",
-                                 "Task or mixture of the input-pipeline figure ('' skips it).")
+_DATA_TASK = flags.DEFINE_string(
+  "data_task",
+  "cpython_span_corruption",
+  "Task or mixture of the input-pipeline figure ('' skips it).",
+)
 _DATA_BATCHES = flags.DEFINE_integer("data_batches", 30, "Batches timed in the pipeline.")
 _SKIP = flags.DEFINE_list("skip", [], "Figures to skip: train, decode, data.")
 
 DEFAULT_GIN_FILE = "models/t5_1_1/small.gin"
-_COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration",
-                   "/jax/core/compile/jaxpr_to_mlir_module_duration",
-                   "/jax/core/compile/backend_compile_duration")
+_COMPILE_EVENTS = (
+  "/jax/core/compile/jaxpr_trace_duration",
+  "/jax/core/compile/jaxpr_to_mlir_module_duration",
+  "/jax/core/compile/backend_compile_duration",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,9 +143,12 @@ def random_batch(s: Settings, seed: int = 0) -> dict[str, np.ndarray]:
   inputs = rng.integers(2, vocab, (s.batch_size, s.input_length), dtype=np.int32)
   targets = rng.integers(2, vocab, (s.batch_size, s.target_length), dtype=np.int32)
   decoder_inputs = np.pad(targets[:, :-1], ((0, 0), (1, 0)))  # [batch, target_len]
-  return {"encoder_input_tokens": inputs, "decoder_input_tokens": decoder_inputs,
-          "decoder_target_tokens": targets,
-          "decoder_loss_weights": np.ones_like(targets, np.float32)}
+  return {
+    "encoder_input_tokens": inputs,
+    "decoder_input_tokens": decoder_inputs,
+    "decoder_target_tokens": targets,
+    "decoder_loss_weights": np.ones_like(targets, np.float32),
+  }
 
 
 # ----------------------------------------------------------------------------- peak
@@ -180,16 +192,20 @@ def make_model(config: network.T5Config) -> models.EncoderDecoderModel:
   return models.EncoderDecoderModel(network.Transformer(config), vocab, vocab)
 
 
-def measure_ours_train(s: Settings, model: models.EncoderDecoderModel,
-                       params_out: dict) -> dict[str, float]:
+def measure_ours_train(
+  s: Settings, model: models.EncoderDecoderModel, params_out: dict
+) -> dict[str, float]:
   """Trains with the real train step; stores the initial params (numpy) in params_out."""
   mesh = partitioning.create_mesh()
   rules = partitioning.standard_logical_axis_rules()
   optimizer = optimizers.adafactor(learning_rate=s.learning_rate)
-  shapes = {"encoder_input_tokens": (s.batch_size, s.input_length),
-            "decoder_input_tokens": (s.batch_size, s.target_length)}
-  state, shardings = trainer.init_train_state(model, optimizer, shapes, jax.random.PRNGKey(0),
-                                              mesh, rules)
+  shapes = {
+    "encoder_input_tokens": (s.batch_size, s.input_length),
+    "decoder_input_tokens": (s.batch_size, s.target_length),
+  }
+  state, shardings = trainer.init_train_state(
+    model, optimizer, shapes, jax.random.PRNGKey(0), mesh, rules
+  )
   params_out["params"] = jax.device_get(state.params)
   step = trainer.make_train_step(model, optimizer, mesh, rules, shardings)
   batch = jax.device_put(random_batch(s), partitioning.batch_sharding(mesh))
@@ -216,23 +232,34 @@ def measure_ours_train(s: Settings, model: models.EncoderDecoderModel,
   seconds, times = time_median(run, s.reps, max(s.warmup - 1, 0))
   if not np.isfinite(float(metrics["loss"])):
     raise RuntimeError("our train step produced a non-finite loss")
-  return {"train_step_s": seconds, "train_step_times_s": times,
-          "train_compile_s": sum(compile_seconds), "train_first_call_s": first_call}
+  return {
+    "train_step_s": seconds,
+    "train_step_times_s": times,
+    "train_compile_s": sum(compile_seconds),
+    "train_first_call_s": first_call,
+  }
 
 
-def measure_ours_decode(s: Settings, model: models.EncoderDecoderModel,
-                        params: Any) -> dict[str, Any]:
+def measure_ours_decode(
+  s: Settings, model: models.EncoderDecoderModel, params: Any
+) -> dict[str, Any]:
   """Greedy and beam decode of exactly decode_length tokens, jitted end to end."""
-  batch = {"encoder_input_tokens": random_batch(s, seed=2)["encoder_input_tokens"],
-           "decoder_input_tokens": np.zeros((s.batch_size, s.decode_length), np.int32)}
+  batch = {
+    "encoder_input_tokens": random_batch(s, seed=2)["encoder_input_tokens"],
+    "decoder_input_tokens": np.zeros((s.batch_size, s.decode_length), np.int32),
+  }
   lengths = {"max_decode_len": s.decode_length, "min_decode_len": s.decode_length}
   greedy = jax.jit(lambda p, b: model.predict_batch(p, b, decoder_params=lengths))
-  beam = jax.jit(lambda p, b: model.predict_batch(
-      p, b, decoder_params=lengths, num_decodes=s.num_beams, decode_fn="beam"))
+  beam = jax.jit(
+    lambda p, b: model.predict_batch(
+      p, b, decoder_params=lengths, num_decodes=s.num_beams, decode_fn="beam"
+    )
+  )
   out = {}
   for name, fn in (("greedy", greedy), ("beam", beam)):
-    seconds, _ = time_median(lambda f=fn: jax.block_until_ready(f(params, batch)),
-                             s.reps, max(s.warmup, 1))
+    seconds, _ = time_median(
+      lambda f=fn: jax.block_until_ready(f(params, batch)), s.reps, max(s.warmup, 1)
+    )
     out[f"{name}_s"] = seconds
   out["greedy_tokens"] = np.asarray(greedy(params, batch))
   out["inputs"] = batch["encoder_input_tokens"]
@@ -255,8 +282,7 @@ def load_hf_model(s: Settings, params: Any) -> Any:
 
   with tempfile.TemporaryDirectory() as tmp:
     hf_interop.save_hf(dataclasses.replace(s.config, param_dtype="float32"), params, tmp)
-    hf_model = transformers.T5ForConditionalGeneration.from_pretrained(
-        tmp, dtype=torch.float32)
+    hf_model = transformers.T5ForConditionalGeneration.from_pretrained(tmp, dtype=torch.float32)
   return hf_model.to(_hf_device())
 
 
@@ -278,15 +304,25 @@ def measure_hf_train(s: Settings, hf_model: Any) -> dict[str, float]:
   device = _hf_device()
   batch = {k: torch.from_numpy(v).long().to(device) for k, v in random_batch(s).items()}
   hf_model.train()
-  optimizer = Adafactor(hf_model.parameters(), lr=s.learning_rate, scale_parameter=True,
-                        relative_step=False, warmup_init=False, clip_threshold=1.0,
-                        decay_rate=-0.8, beta1=None, weight_decay=0.0)
+  optimizer = Adafactor(
+    hf_model.parameters(),
+    lr=s.learning_rate,
+    scale_parameter=True,
+    relative_step=False,
+    warmup_init=False,
+    clip_threshold=1.0,
+    decay_rate=-0.8,
+    beta1=None,
+    weight_decay=0.0,
+  )
 
   def run() -> None:
     with _autocast(s):
-      loss = hf_model(input_ids=batch["encoder_input_tokens"],
-                      decoder_input_ids=batch["decoder_input_tokens"],
-                      labels=batch["decoder_target_tokens"]).loss
+      loss = hf_model(
+        input_ids=batch["encoder_input_tokens"],
+        decoder_input_ids=batch["decoder_input_tokens"],
+        labels=batch["decoder_target_tokens"],
+      ).loss
     loss.backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
@@ -304,8 +340,13 @@ def measure_hf_decode(s: Settings, hf_model: Any, inputs: np.ndarray) -> dict[st
   ids = torch.from_numpy(inputs).long().to(_hf_device())
   out = {}
   for name, beams in (("greedy", 1), ("beam", s.num_beams)):
-    kwargs = dict(max_new_tokens=s.decode_length, min_new_tokens=s.decode_length,
-                  num_beams=beams, do_sample=False, use_cache=True)
+    kwargs = dict(
+      max_new_tokens=s.decode_length,
+      min_new_tokens=s.decode_length,
+      num_beams=beams,
+      do_sample=False,
+      use_cache=True,
+    )
     if beams > 1:
       kwargs["length_penalty"] = 0.6
 
@@ -327,8 +368,7 @@ def measure_data(s: Settings) -> dict[str, float]:
   import tasks  # noqa: F401  (registers the built-in tasks)
 
   lengths = {"inputs": s.input_length, "targets": s.target_length}
-  result = data_benchmark.measure_pipeline(s.data_task, lengths, s.batch_size,
-                                           s.data_batches)
+  result = data_benchmark.measure_pipeline(s.data_task, lengths, s.batch_size, s.data_batches)
   return {f"data_{k}": v for k, v in result.items()}
 
 
@@ -345,7 +385,8 @@ def derive(s: Settings, raw: dict[str, Any]) -> dict[str, Any]:
   """Rates, MFU and speedups from the raw timings."""
   tokens_per_step = s.batch_size * (s.input_length + s.target_length)
   flops_per_step = flops.flops_per_token(s.config, s.input_length, s.target_length) * (
-      tokens_per_step)
+    tokens_per_step
+  )
   decoded = s.batch_size * s.decode_length
   out = {"train_tokens_per_step": tokens_per_step, "train_flops_per_step": flops_per_step}
   for prefix in ("", "hf_"):
@@ -358,11 +399,13 @@ def derive(s: Settings, raw: dict[str, Any]) -> dict[str, Any]:
     for name in ("greedy", "beam"):
       if raw.get(f"{prefix}{name}_s"):
         out[f"{prefix}{name}_tokens_per_s"] = decoded / raw[f"{prefix}{name}_s"]
-  out["train_speedup_vs_hf"] = _ratio(out.get("train_tokens_per_s"),
-                                      out.get("hf_train_tokens_per_s"))
+  out["train_speedup_vs_hf"] = _ratio(
+    out.get("train_tokens_per_s"), out.get("hf_train_tokens_per_s")
+  )
   for name in ("greedy", "beam"):
-    out[f"{name}_speedup_vs_hf"] = _ratio(out.get(f"{name}_tokens_per_s"),
-                                          out.get(f"hf_{name}_tokens_per_s"))
+    out[f"{name}_speedup_vs_hf"] = _ratio(
+      out.get(f"{name}_tokens_per_s"), out.get(f"hf_{name}_tokens_per_s")
+    )
   if raw.get("train_step_s") and raw.get("data_rows_per_s"):
     examples_per_row = raw["data_examples_per_s"] / raw["data_rows_per_s"]
     out["train_examples_per_s"] = s.batch_size * examples_per_row / raw["train_step_s"]
@@ -373,21 +416,28 @@ def derive(s: Settings, raw: dict[str, Any]) -> dict[str, Any]:
 def run_benchmark(s: Settings) -> dict[str, Any]:
   """Measures every figure of `s`; returns one flat dict (raw and derived)."""
   dtype = s.config.activation_dtype
-  raw: dict[str, Any] = {"backend": jax.default_backend(),
-                         "device_kind": jax.devices()[0].device_kind,
-                         "num_devices": jax.device_count(), "threads": s.threads,
-                         "dtype": s.config.dtype, "config": dataclasses.asdict(s.config),
-                         "settings": {k: v for k, v in dataclasses.asdict(s).items()
-                                      if k != "config"}}
+  raw: dict[str, Any] = {
+    "backend": jax.default_backend(),
+    "device_kind": jax.devices()[0].device_kind,
+    "num_devices": jax.device_count(),
+    "threads": s.threads,
+    "dtype": s.config.dtype,
+    "config": dataclasses.asdict(s.config),
+    "settings": {k: v for k, v in dataclasses.asdict(s).items() if k != "config"},
+  }
   raw["jax_peak_flops"] = jax_matmul_peak(s.matmul_size, dtype, s.reps)
   model = make_model(s.config)
   holder: dict[str, Any] = {}
   if "train" not in s.skip:
     raw.update(measure_ours_train(s, model, holder))
   else:
-    holder["params"] = jax.device_get(nn.meta.unbox(model.get_initial_variables(
-        jax.random.PRNGKey(0), {"encoder_input_tokens": (1, 8),
-                                "decoder_input_tokens": (1, 8)})["params"]))
+    holder["params"] = jax.device_get(
+      nn.meta.unbox(
+        model.get_initial_variables(
+          jax.random.PRNGKey(0), {"encoder_input_tokens": (1, 8), "decoder_input_tokens": (1, 8)}
+        )["params"]
+      )
+    )
   raw["num_params"] = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(holder["params"]))
   if "decode" not in s.skip:
     ours_decode = measure_ours_decode(s, model, holder["params"])
@@ -398,15 +448,15 @@ def run_benchmark(s: Settings) -> dict[str, Any]:
 
     torch.set_num_threads(s.threads)
     torch_dtype = torch.float32 if s.config.dtype == "float32" else torch.bfloat16
-    raw["torch_peak_flops"] = torch_matmul_peak(s.matmul_size, torch_dtype, s.reps,
-                                                _hf_device())
+    raw["torch_peak_flops"] = torch_matmul_peak(s.matmul_size, torch_dtype, s.reps, _hf_device())
     hf_model = load_hf_model(s, holder["params"])
     raw["hf_num_params"] = sum(p.numel() for p in hf_model.parameters())
     if "decode" not in s.skip:
       hf_decode = measure_hf_decode(s, hf_model, ours_decode["inputs"])
       raw.update({k: v for k, v in hf_decode.items() if k.endswith("_s")})
-      raw["greedy_token_agreement"] = float(np.mean(
-          ours_decode["greedy_tokens"] == hf_decode["hf_greedy_tokens"]))
+      raw["greedy_token_agreement"] = float(
+        np.mean(ours_decode["greedy_tokens"] == hf_decode["hf_greedy_tokens"])
+      )
     if "train" not in s.skip:
       raw.update(measure_hf_train(s, hf_model))
   if s.data_task and "data" not in s.skip:
@@ -416,15 +466,18 @@ def run_benchmark(s: Settings) -> dict[str, Any]:
 
 
 _ROWS = (
-    ("train tokens/s", "train_tokens_per_s", "hf_train_tokens_per_s", "train_speedup_vs_hf"),
-    ("train MFU", "train_mfu", "hf_train_mfu", None),
-    ("train step s", "train_step_s", "hf_train_step_s", None),
-    ("greedy decode tokens/s", "greedy_tokens_per_s", "hf_greedy_tokens_per_s",
-     "greedy_speedup_vs_hf"),
-    ("beam decode tokens/s", "beam_tokens_per_s", "hf_beam_tokens_per_s",
-     "beam_speedup_vs_hf"),
-    ("peak matmul GFLOP/s", "jax_peak_flops", "torch_peak_flops", None),
-    ("parameters", "num_params", "hf_num_params", None),
+  ("train tokens/s", "train_tokens_per_s", "hf_train_tokens_per_s", "train_speedup_vs_hf"),
+  ("train MFU", "train_mfu", "hf_train_mfu", None),
+  ("train step s", "train_step_s", "hf_train_step_s", None),
+  (
+    "greedy decode tokens/s",
+    "greedy_tokens_per_s",
+    "hf_greedy_tokens_per_s",
+    "greedy_speedup_vs_hf",
+  ),
+  ("beam decode tokens/s", "beam_tokens_per_s", "hf_beam_tokens_per_s", "beam_speedup_vs_hf"),
+  ("peak matmul GFLOP/s", "jax_peak_flops", "torch_peak_flops", None),
+  ("parameters", "num_params", "hf_num_params", None),
 )
 
 
@@ -443,14 +496,20 @@ def format_table(r: dict[str, Any]) -> str:
     scale = 1e-9 if "GFLOP" in label else 1.0
     values = [r.get(ours), r.get(hf)]
     values = [None if v is None else v * scale for v in values]
-    lines.append(f"{label:26}{_fmt(values[0]):>14}{_fmt(values[1]):>14}"
-                 f"{_fmt(r.get(ratio)) if ratio else '':>10}")
-  extras = (("train compile s", "train_compile_s"), ("train first call s", "train_first_call_s"),
-            ("data examples/s", "data_examples_per_s"),
-            ("train examples/s", "train_examples_per_s"),
-            ("data / train consumption", "data_vs_train_consumption"),
-            ("greedy token agreement", "greedy_token_agreement"),
-            ("max RSS MiB (ours only)", "max_rss_mib_ours"), ("max RSS MiB (all)", "max_rss_mib"))
+    lines.append(
+      f"{label:26}{_fmt(values[0]):>14}{_fmt(values[1]):>14}"
+      f"{_fmt(r.get(ratio)) if ratio else '':>10}"
+    )
+  extras = (
+    ("train compile s", "train_compile_s"),
+    ("train first call s", "train_first_call_s"),
+    ("data examples/s", "data_examples_per_s"),
+    ("train examples/s", "train_examples_per_s"),
+    ("data / train consumption", "data_vs_train_consumption"),
+    ("greedy token agreement", "greedy_token_agreement"),
+    ("max RSS MiB (ours only)", "max_rss_mib_ours"),
+    ("max RSS MiB (all)", "max_rss_mib"),
+  )
   lines += [f"{label:26}{_fmt(r.get(key)):>14}" for label, key in extras if key in r]
   return "\n".join(lines)
 
@@ -464,16 +523,29 @@ def _resolve_dtype(name: str) -> str:
 def main(argv: Sequence[str]) -> None:
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
-  cli.parse_gin(flags.FLAGS.gin_file or [DEFAULT_GIN_FILE], flags.FLAGS.gin_bindings,
-                flags.FLAGS.gin_search_paths)
+  cli.parse_gin(
+    flags.FLAGS.gin_file or [DEFAULT_GIN_FILE],
+    flags.FLAGS.gin_bindings,
+    flags.FLAGS.gin_search_paths,
+  )
   config = dataclasses.replace(network.T5Config(), dtype=_resolve_dtype(_DTYPE.value))
   settings = Settings(
-      config=config, batch_size=_BATCH.value, input_length=_INPUT_LEN.value,
-      target_length=_TARGET_LEN.value, decode_length=_DECODE_LEN.value,
-      num_beams=_BEAMS.value, reps=_REPS.value, warmup=_WARMUP.value,
-      matmul_size=_MATMUL.value, learning_rate=_LR.value,
-      threads=len(os.sched_getaffinity(0)), compare_hf=_COMPARE_HF.value,
-      data_task=_DATA_TASK.value, data_batches=_DATA_BATCHES.value, skip=tuple(_SKIP.value))
+    config=config,
+    batch_size=_BATCH.value,
+    input_length=_INPUT_LEN.value,
+    target_length=_TARGET_LEN.value,
+    decode_length=_DECODE_LEN.value,
+    num_beams=_BEAMS.value,
+    reps=_REPS.value,
+    warmup=_WARMUP.value,
+    matmul_size=_MATMUL.value,
+    learning_rate=_LR.value,
+    threads=len(os.sched_getaffinity(0)),
+    compare_hf=_COMPARE_HF.value,
+    data_task=_DATA_TASK.value,
+    data_batches=_DATA_BATCHES.value,
+    skip=tuple(_SKIP.value),
+  )
   result = run_benchmark(settings)
   print(format_table(result))
   if _JSON.value:

@@ -32,21 +32,21 @@ from t5x_lite import errors, flops, network
 from t5x_lite.errors import ConfigError
 
 DEFAULT_GIN_SEARCH_PATH = os.path.join(
-    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'gin'
+  os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'gin'
 )
 
 _GIN_FILES = flags.DEFINE_multi_string(
-    'gin_file', [], 'Gin config files (relative to a search path or absolute).'
+  'gin_file', [], 'Gin config files (relative to a search path or absolute).'
 )
 _GIN_SEARCH_PATHS = flags.DEFINE_list(
-    'gin_search_paths',
-    [DEFAULT_GIN_SEARCH_PATH],
-    'Roots that gin file paths and includes are relative to.',
+  'gin_search_paths',
+  [DEFAULT_GIN_SEARCH_PATH],
+  'Roots that gin file paths and includes are relative to.',
 )
 _GIN_BINDINGS = flags.DEFINE_multi_string(
-    'gin_bindings',
-    [],
-    'Extra gin bindings, e.g. "T5Config.dtype = \'bfloat16\'"; also --gin.NAME=VALUE.',
+  'gin_bindings',
+  [],
+  'Extra gin bindings, e.g. "T5Config.dtype = \'bfloat16\'"; also --gin.NAME=VALUE.',
 )
 _INPUT_LENGTH = flags.DEFINE_integer('input_length', 512, 'Encoder sequence length.')
 _TARGET_LENGTH = flags.DEFINE_integer('target_length', 114, 'Decoder sequence length.')
@@ -54,86 +54,86 @@ _JSON = flags.DEFINE_bool('json', False, 'Print a JSON summary as the last stdou
 
 
 def rewrite_gin_args(argv: Sequence[str]) -> list[str]:
-    """Turns `--gin.NAME=VALUE` arguments into `--gin_bindings=NAME = VALUE`."""
-    rewritten = []
-    for arg in argv:
-        if arg.startswith('--gin.'):
-            name, _, value = arg[len('--gin.') :].partition('=')
-            arg = f'--gin_bindings={name} = {value}'
-        rewritten.append(arg)
-    return rewritten
+  """Turns `--gin.NAME=VALUE` arguments into `--gin_bindings=NAME = VALUE`."""
+  rewritten = []
+  for arg in argv:
+    if arg.startswith('--gin.'):
+      name, _, value = arg[len('--gin.') :].partition('=')
+      arg = f'--gin_bindings={name} = {value}'
+    rewritten.append(arg)
+  return rewritten
 
 
 def param_breakdown(config: network.T5Config) -> dict[str, int]:
-    """Parameter counts per part: embedding, encoder, decoder (without logits), logits."""
-    model = network.Transformer(config)
-    tokens = jnp.ones((1, 4), jnp.int32)
-    abstract = jax.eval_shape(
-        lambda: model.init(jax.random.PRNGKey(0), tokens, tokens, tokens, enable_dropout=False)
-    )
-    params = meta.unbox(abstract['params'])
+  """Parameter counts per part: embedding, encoder, decoder (without logits), logits."""
+  model = network.Transformer(config)
+  tokens = jnp.ones((1, 4), jnp.int32)
+  abstract = jax.eval_shape(
+    lambda: model.init(jax.random.PRNGKey(0), tokens, tokens, tokens, enable_dropout=False)
+  )
+  params = meta.unbox(abstract['params'])
 
-    def count(tree) -> int:
-        return sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(tree))
+  def count(tree) -> int:
+    return sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(tree))
 
-    decoder = dict(params['decoder'])
-    logits = count(decoder.pop('logits_dense', {}))
-    return {
-        'embedding': count(params['token_embedder']),
-        'encoder': count(params['encoder']),
-        'decoder': count(decoder),
-        'logits': logits,
-    }
+  decoder = dict(params['decoder'])
+  logits = count(decoder.pop('logits_dense', {}))
+  return {
+    'embedding': count(params['token_embedder']),
+    'encoder': count(params['encoder']),
+    'decoder': count(decoder),
+    'logits': logits,
+  }
 
 
 def model_info(config: network.T5Config, input_length: int, target_length: int) -> dict:
-    """Parameter counts and FLOPs of `config` as a JSON-serialisable dict."""
-    breakdown = param_breakdown(config)
-    return {
-        'num_params': sum(breakdown.values()),
-        'breakdown': breakdown,
-        'input_length': input_length,
-        'target_length': target_length,
-        'flops_per_token': flops.flops_per_token(config, input_length, target_length),
-        'forward_flops': flops.forward_flops(config, input_length, target_length),
-        'config': dataclasses.asdict(config),
-    }
+  """Parameter counts and FLOPs of `config` as a JSON-serialisable dict."""
+  breakdown = param_breakdown(config)
+  return {
+    'num_params': sum(breakdown.values()),
+    'breakdown': breakdown,
+    'input_length': input_length,
+    'target_length': target_length,
+    'flops_per_token': flops.flops_per_token(config, input_length, target_length),
+    'forward_flops': flops.forward_flops(config, input_length, target_length),
+    'config': dataclasses.asdict(config),
+  }
 
 
 def configured_network() -> network.T5Config:
-    """The T5Config that --gin_file and --gin_bindings describe.
+  """The T5Config that --gin_file and --gin_bindings describe.
 
-    Raises:
-      ConfigError: a missing gin file, a syntax error, an unknown name or a bad
-        value, on one line naming it.
-    """
-    for path in _GIN_SEARCH_PATHS.value:
-        gin.add_config_file_search_path(path)
-    try:
-        gin.parse_config_files_and_bindings(_GIN_FILES.value, _GIN_BINDINGS.value)
-        return network.T5Config()
-    except (OSError, SyntaxError, ValueError, TypeError) as e:
-        raise ConfigError(' '.join(str(e).split())) from e
+  Raises:
+    ConfigError: a missing gin file, a syntax error, an unknown name or a bad
+      value, on one line naming it.
+  """
+  for path in _GIN_SEARCH_PATHS.value:
+    gin.add_config_file_search_path(path)
+  try:
+    gin.parse_config_files_and_bindings(_GIN_FILES.value, _GIN_BINDINGS.value)
+    return network.T5Config()
+  except (OSError, SyntaxError, ValueError, TypeError) as e:
+    raise ConfigError(' '.join(str(e).split())) from e
 
 
 def main(argv: Sequence[str]) -> None:
-    console.quiet_library_logs()
-    if len(argv) > 1:
-        raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
-    config = configured_network()
-    info = model_info(config, _INPUT_LENGTH.value, _TARGET_LENGTH.value)
-    for key, value in info['config'].items():
-        print(f'{key:>32}: {value}')
-    for part, value in info['breakdown'].items():
-        print(f'{part + " params":>32}: {value:,}')
-    print(f'{"total params":>32}: {info["num_params"]:,}')
-    print(
-        f'{"train FLOPs per token":>32}: {info["flops_per_token"]:.4g} '
-        f'(inputs {info["input_length"]}, targets {info["target_length"]})'
-    )
-    if _JSON.value:
-        print(json.dumps(info))
+  console.quiet_library_logs()
+  if len(argv) > 1:
+    raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
+  config = configured_network()
+  info = model_info(config, _INPUT_LENGTH.value, _TARGET_LENGTH.value)
+  for key, value in info['config'].items():
+    print(f'{key:>32}: {value}')
+  for part, value in info['breakdown'].items():
+    print(f'{part + " params":>32}: {value:,}')
+  print(f'{"total params":>32}: {info["num_params"]:,}')
+  print(
+    f'{"train FLOPs per token":>32}: {info["flops_per_token"]:.4g} '
+    f'(inputs {info["input_length"]}, targets {info["target_length"]})'
+  )
+  if _JSON.value:
+    print(json.dumps(info))
 
 
 if __name__ == '__main__':
-    app.run(errors.reporting(main), argv=rewrite_gin_args(sys.argv))
+  app.run(errors.reporting(main), argv=rewrite_gin_args(sys.argv))

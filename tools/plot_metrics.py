@@ -14,7 +14,6 @@ import argparse
 import json
 import math
 import os
-import sys
 from collections.abc import Sequence
 
 import matplotlib
@@ -26,12 +25,12 @@ from t5x_lite import errors  # noqa: E402
 
 METRICS_FILE = "metrics.jsonl"  # t5x_lite.metrics_logging.METRICS_FILE
 DEFAULT_METRICS = (
-    "loss",
-    "accuracy",
-    "learning_rate",
-    "grad_norm",
-    "throughput/tokens_per_sec_per_device",
-    "throughput/mfu",
+  "loss",
+  "accuracy",
+  "learning_rate",
+  "grad_norm",
+  "throughput/tokens_per_sec_per_device",
+  "throughput/mfu",
 )
 Series = dict[str, dict[str, dict[int, float]]]  # split -> metric -> step -> value
 
@@ -69,15 +68,20 @@ def plot(series: Series, metrics: Sequence[str], out: str, title: str) -> list[s
     for split, by_metric in sorted(series.items(), reverse=True):
       if metric in by_metric:
         steps = sorted(by_metric[metric])
-        axis.plot(steps, [by_metric[metric][s] for s in steps], label=split,
-                  marker="o" if split == "eval" else None, markersize=3)
+        axis.plot(
+          steps,
+          [by_metric[metric][s] for s in steps],
+          label=split,
+          marker="o" if split == "eval" else None,
+          markersize=3,
+        )
     axis.set_title(metric)
     axis.set_xlabel("step")
     axis.grid(alpha=0.3)
     axis.legend()
     if metric == "learning_rate" or metric.endswith("loss"):
       axis.set_yscale("log")
-  for axis in list(axes.flat)[len(present):]:
+  for axis in list(axes.flat)[len(present) :]:
     axis.set_visible(False)
   figure.suptitle(title)
   figure.tight_layout()
@@ -91,8 +95,9 @@ def main(argv: Sequence[str] | None = None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("model_dir", help="training MODEL_DIR containing metrics.jsonl")
   parser.add_argument("--out", help="PNG to write (default MODEL_DIR/metrics.png)")
-  parser.add_argument("--metrics", default=",".join(DEFAULT_METRICS),
-                      help="comma-separated metric names")
+  parser.add_argument(
+    "--metrics", default=",".join(DEFAULT_METRICS), help="comma-separated metric names"
+  )
   args = parser.parse_args(argv)
   model_dir = os.path.abspath(args.model_dir)
   path = os.path.join(model_dir, METRICS_FILE)

@@ -23,7 +23,6 @@ from t5x_lite import console  # first: quiets TensorFlow and JAX start-up
 
 import itertools
 import os
-import sys
 from collections.abc import Iterator, Sequence
 
 import gin
@@ -42,7 +41,7 @@ _SPLIT = flags.DEFINE_string("split", "train", "The task split to read.")
 _MAX_EXAMPLES = flags.DEFINE_integer("max_examples", None, "Read at most this many examples.")
 _VOCAB_SIZE = flags.DEFINE_integer("vocab_size", 8000, "Pieces, including pad/eos/unk.")
 _MODEL_TYPE = flags.DEFINE_enum(
-    "model_type", "unigram", ["unigram", "bpe"], "SentencePiece model type."
+  "model_type", "unigram", ["unigram", "bpe"], "SentencePiece model type."
 )
 _CHARACTER_COVERAGE = flags.DEFINE_float("character_coverage", 1.0, "Character coverage.")
 _OUTPUT = flags.DEFINE_string("output", None, "Output .model file.", required=True)
@@ -51,106 +50,108 @@ _GIN_BINDINGS = flags.DEFINE_multi_string("gin_bindings", [], "Gin bindings (e.g
 
 
 def file_text(paths: Sequence[str]) -> Iterator[str]:
-    """Non-empty lines of the files, in order.
+  """Non-empty lines of the files, in order.
 
-    Raises:
-      file_sources.DataFileError: naming the first file that does not exist.
-    """
-    for path in paths:
-        if not tf.io.gfile.exists(path):
-            raise file_sources.DataFileError(f"--input_files: {shown(path)} not found.")
-    for path in paths:
-        for _, line in file_sources.numbered_lines(path):
-            if line.strip():
-                yield line
+  Raises:
+    file_sources.DataFileError: naming the first file that does not exist.
+  """
+  for path in paths:
+    if not tf.io.gfile.exists(path):
+      raise file_sources.DataFileError(f"--input_files: {shown(path)} not found.")
+  for path in paths:
+    for _, line in file_sources.numbered_lines(path):
+      if line.strip():
+        yield line
 
 
 def task_text(task_name: str, text_field: str, split: str) -> Iterator[str]:
-    """The raw `text_field` of a task's source, unshuffled.
+  """The raw `text_field` of a task's source, unshuffled.
 
-    Raises:
-      ConfigError: naming an unknown task, split or field.
-    """
-    if task_name not in seqio.TaskRegistry.names():
-        raise ConfigError(f"--task={task_name} is not a registered seqio task (register it in a "
-                          "module given with --module_import).")
-    task = seqio.TaskRegistry.get(task_name)
-    if split not in task.splits:
-        raise ConfigError(f"Task {task_name} has no split {split!r} (has {list(task.splits)}).")
-    ds = task.source.get_dataset(split=split, shuffle=False)
-    for example in ds.as_numpy_iterator():
-        if text_field not in example:
-            raise ConfigError(
-                f"Task {task_name} has no raw field {text_field!r}; it has {sorted(example)}."
-            )
-        yield example[text_field].decode("utf-8")
+  Raises:
+    ConfigError: naming an unknown task, split or field.
+  """
+  if task_name not in seqio.TaskRegistry.names():
+    raise ConfigError(
+      f"--task={task_name} is not a registered seqio task (register it in a "
+      "module given with --module_import)."
+    )
+  task = seqio.TaskRegistry.get(task_name)
+  if split not in task.splits:
+    raise ConfigError(f"Task {task_name} has no split {split!r} (has {list(task.splits)}).")
+  ds = task.source.get_dataset(split=split, shuffle=False)
+  for example in ds.as_numpy_iterator():
+    if text_field not in example:
+      raise ConfigError(
+        f"Task {task_name} has no raw field {text_field!r}; it has {sorted(example)}."
+      )
+    yield example[text_field].decode("utf-8")
 
 
 def _check_output(path: str) -> str:
-    """The absolute output path; raises ConfigError if it cannot be written."""
-    if os.path.isdir(path):
-        raise ConfigError(f"--output={shown(path)} is a directory, not a file.")
-    if problem := not_a_directory("The directory of --output", os.path.dirname(path) or "."):
-        raise ConfigError(problem)
-    return os.fspath(absolute_path(path))
+  """The absolute output path; raises ConfigError if it cannot be written."""
+  if os.path.isdir(path):
+    raise ConfigError(f"--output={shown(path)} is a directory, not a file.")
+  if problem := not_a_directory("The directory of --output", os.path.dirname(path) or "."):
+    raise ConfigError(problem)
+  return os.fspath(absolute_path(path))
 
 
 def _task_setup() -> None:
-    """Registers the built-in tasks and --module_import's, then parses --gin_bindings."""
-    import tasks  # noqa: F401  (registers the built-in tasks)
+  """Registers the built-in tasks and --module_import's, then parses --gin_bindings."""
+  import tasks  # noqa: F401  (registers the built-in tasks)
 
-    data.import_task_modules(_MODULE_IMPORT.value)
-    try:
-        gin.parse_config(_GIN_BINDINGS.value)
-    except (SyntaxError, ValueError) as e:
-        raise ConfigError(f"--gin_bindings: {' '.join(str(e).split())}") from e
+  data.import_task_modules(_MODULE_IMPORT.value)
+  try:
+    gin.parse_config(_GIN_BINDINGS.value)
+  except (SyntaxError, ValueError) as e:
+    raise ConfigError(f"--gin_bindings: {' '.join(str(e).split())}") from e
 
 
 def _train(text: Iterator[str]) -> bytes:
-    """Trains on `text`; an error reading it is re-raised as itself.
+  """Trains on `text`; an error reading it is re-raised as itself.
 
-    Raises:
-      ConfigError: SentencePiece refused the options, e.g. a vocabulary too large
-        for the text.
-    """
-    read_errors = []
+  Raises:
+    ConfigError: SentencePiece refused the options, e.g. a vocabulary too large
+      for the text.
+  """
+  read_errors = []
 
-    def read() -> Iterator[str]:
-        try:
-            yield from text
-        except Exception as e:  # SentencePiece would turn it into a RuntimeError
-            read_errors.append(e)
-            raise
-
+  def read() -> Iterator[str]:
     try:
-        return vocab.train_sentencepiece(
-            read(),
-            vocab_size=_VOCAB_SIZE.value,
-            model_type=_MODEL_TYPE.value,
-            character_coverage=_CHARACTER_COVERAGE.value,
-        )
-    except RuntimeError as e:
-        if read_errors:
-            raise read_errors[0] from None
-        raise ConfigError(f"SentencePiece training failed: {e}") from e
+      yield from text
+    except Exception as e:  # SentencePiece would turn it into a RuntimeError
+      read_errors.append(e)
+      raise
+
+  try:
+    return vocab.train_sentencepiece(
+      read(),
+      vocab_size=_VOCAB_SIZE.value,
+      model_type=_MODEL_TYPE.value,
+      character_coverage=_CHARACTER_COVERAGE.value,
+    )
+  except RuntimeError as e:
+    if read_errors:
+      raise read_errors[0] from None
+    raise ConfigError(f"SentencePiece training failed: {e}") from e
 
 
 def main(argv: Sequence[str]) -> None:
-    console.quiet_library_logs()
-    del argv
-    if bool(_INPUT_FILES.value) == bool(_TASK.value):
-        raise app.UsageError("Give exactly one of --input_files and --task.")
-    output = _check_output(_OUTPUT.value)
-    if _TASK.value:
-        _task_setup()
-        text = task_text(_TASK.value, _TEXT_FIELD.value, _SPLIT.value)
-    else:
-        text = file_text(_INPUT_FILES.value)
-    model = _train(itertools.islice(text, _MAX_EXAMPLES.value))
-    cache.atomic_write(output, model)
-    size = seqio.SentencePieceVocabulary(output, extra_ids=vocab.NUM_EXTRA_IDS).vocab_size
-    print(f"Wrote {output}: {_VOCAB_SIZE.value} pieces, {size} ids with 100 extra ids.")
+  console.quiet_library_logs()
+  del argv
+  if bool(_INPUT_FILES.value) == bool(_TASK.value):
+    raise app.UsageError("Give exactly one of --input_files and --task.")
+  output = _check_output(_OUTPUT.value)
+  if _TASK.value:
+    _task_setup()
+    text = task_text(_TASK.value, _TEXT_FIELD.value, _SPLIT.value)
+  else:
+    text = file_text(_INPUT_FILES.value)
+  model = _train(itertools.islice(text, _MAX_EXAMPLES.value))
+  cache.atomic_write(output, model)
+  size = seqio.SentencePieceVocabulary(output, extra_ids=vocab.NUM_EXTRA_IDS).vocab_size
+  print(f"Wrote {output}: {_VOCAB_SIZE.value} pieces, {size} ids with 100 extra ids.")
 
 
 if __name__ == "__main__":
-    app.run(errors.reporting(main))
+  app.run(errors.reporting(main))
