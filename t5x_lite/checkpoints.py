@@ -37,7 +37,7 @@ import orbax.checkpoint as ocp
 from absl import logging
 from etils import epath
 
-from t5x_lite.checkpoint_files import (
+from t5x_lite.checkpoint_manifest import (
   CheckpointError,
   CheckpointNotFoundError,
   CorruptCheckpointError,

@@ -9,7 +9,7 @@ already evaluated in EVAL_OUTPUT_DIR. Example:
     --gin.MIXTURE_OR_TASK_NAME=local_glue_sst2
 
 Flags are those of `t5x_lite.cli` (shared with train and infer); the run is
-`t5x_lite.evaluation.evaluate_checkpoints`, its options are in gin/runs/eval.gin.
+`t5x_lite.eval_lib.evaluate_checkpoints`, its options are in gin/runs/eval.gin.
 """
 
 from t5x_lite import console  # noqa: F401  (first: quiets TensorFlow and JAX start-up)
@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from absl import app
 
 import tasks  # noqa: F401  (registers seqio tasks and mixtures)
-from t5x_lite import cli, evaluation, train_loop
+from t5x_lite import cli, eval_lib, train_lib
 
 
 def main(argv: Sequence[str]) -> None:
@@ -27,7 +27,7 @@ def main(argv: Sequence[str]) -> None:
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {' '.join(argv[1:])}")
   cli.setup()
-  evaluation.evaluate_checkpoints(train_loop.build_model)
+  eval_lib.evaluate_checkpoints(train_lib.build_model)
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ import numpy as np
 import safetensors
 import safetensors.numpy
 
-from t5x_lite.checkpoint_files import (
+from t5x_lite.checkpoint_manifest import (
   CheckpointError,
   CheckpointNotFoundError,
   CorruptCheckpointError,

@@ -9,7 +9,7 @@ file, resuming where an earlier run stopped. Example:
     --gin.DecodeConfig.decode_fn="'beam'" --gin.DecodeConfig.num_decodes=4
 
 Flags are those of `t5x_lite.cli` (shared with train and eval); the run is
-`t5x_lite.batch_inference.infer`, its options are in gin/runs/infer.gin.
+`t5x_lite.infer_lib.infer`, its options are in gin/runs/infer.gin.
 """
 
 from t5x_lite import console  # noqa: F401  (first: quiets TensorFlow and JAX start-up)
@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from absl import app
 
 import tasks  # noqa: F401  (registers seqio tasks and mixtures)
-from t5x_lite import batch_inference, cli, train_loop
+from t5x_lite import infer_lib, cli, train_lib
 
 
 def main(argv: Sequence[str]) -> None:
@@ -27,7 +27,7 @@ def main(argv: Sequence[str]) -> None:
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {' '.join(argv[1:])}")
   cli.setup()
-  batch_inference.infer(train_loop.build_model)
+  infer_lib.infer(train_lib.build_model)
 
 
 if __name__ == "__main__":

@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from t5x_lite import data, flops, models, optimizers, partitioning, train_loop, trainer
+from t5x_lite import data, flops, models, optimizers, partitioning, train_lib, trainer
 from t5x_lite.errors import UserError
 
 INSTALL_HINT = "pip install -e '.[tpu]'"
@@ -449,9 +449,9 @@ def precompile_train_step(
 
 
 def train_arguments() -> dict[str, Any]:
-  """The arguments `train_loop.train()` would get: its defaults, then gin's bindings."""
-  args = {name: p.default for name, p in inspect.signature(train_loop.train).parameters.items()}
-  args.update(gin.get_bindings(train_loop.train))
+  """The arguments `train_lib.train()` would get: its defaults, then gin's bindings."""
+  args = {name: p.default for name, p in inspect.signature(train_lib.train).parameters.items()}
+  args.update(gin.get_bindings(train_lib.train))
   return args
 
 
@@ -488,7 +488,7 @@ def run(topology: str | None) -> int:
       "TASK_FEATURE_LENGTHS (and BATCH_SIZE), as for training."
     )
   report = precompile_train_step(
-    args["model"] or train_loop.build_model(),
+    args["model"] or train_lib.build_model(),
     args["optimizer"],
     dataset_cfg,
     topology,

@@ -8,7 +8,7 @@ Check that a config fits a TPU slice first (no TPU needed; `t5x_lite.precompile`
 
   python -m t5x_lite.train --gin_file=... --precompile --topology=v5e:4x4
 
-Flags are described in `t5x_lite.cli`; the loop in `t5x_lite.train_loop`.
+Flags are described in `t5x_lite.cli`; the loop in `t5x_lite.train_lib`.
 Importing `tasks` registers the project's seqio tasks and mixtures; add your
 own with an `import my_tasks` line in a gin file.
 """
@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from absl import app, flags
 
 import tasks  # noqa: F401  (registers seqio tasks and mixtures)
-from t5x_lite import cli, precompile, train_loop
+from t5x_lite import cli, precompile, train_lib
 
 flags.DEFINE_bool(
   "precompile",
@@ -40,7 +40,7 @@ def main(argv: Sequence[str]) -> None:
   cli.setup(optional_macros=("MODEL_DIR", "TRAIN_STEPS") if flags.FLAGS.precompile else ())
   if flags.FLAGS.precompile:
     sys.exit(precompile.run(flags.FLAGS.topology))
-  train_loop.train()
+  train_lib.train()
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@
 Two vocabularies are offered through the gin-configurable `get_vocabulary()`:
 
 * the offline default: a small unigram SentencePiece model trained
-  deterministically from text that ships with CPython (`t5x_lite.text_sources`)
+  deterministically from text that ships with CPython (`t5x_lite.cpython_corpus`)
   on first use and cached under `t5x_lite.cache.cache_dir()`;
 * any SentencePiece model file, e.g. T5's public vocabulary
   (`T5_PUBLIC_VOCABULARY`, gs://t5-data/vocabs/cc_all.32000/sentencepiece.model)
@@ -30,7 +30,7 @@ import sentencepiece as spm
 import tensorflow as tf
 
 from t5x_lite import cache
-from t5x_lite import text_sources
+from t5x_lite import cpython_corpus
 
 T5_PUBLIC_VOCABULARY = "gs://t5-data/vocabs/cc_all.32000/sentencepiece.model"
 gin.constant("T5_PUBLIC_VOCABULARY", T5_PUBLIC_VOCABULARY)
@@ -89,7 +89,7 @@ def offline_vocabulary_path(vocab_size: int = 8000, directory: Optional[str] = N
   """Returns the offline vocabulary's model file, training it on first use.
 
   The model is trained from the train split of the CPython corpus
-  (`t5x_lite.text_sources.vocabulary_training_text`). Concurrent processes
+  (`t5x_lite.cpython_corpus.vocabulary_training_text`). Concurrent processes
   (e.g. pytest-xdist workers) serialize on a lock file; the first trains, the
   others find the finished file.
 
@@ -101,12 +101,12 @@ def offline_vocabulary_path(vocab_size: int = 8000, directory: Optional[str] = N
     Path of the cached `.model` file.
   """
   directory = directory or cache.cache_dir()
-  key = f"{_OFFLINE_RECIPE_VERSION}-{text_sources.CORPUS_VERSION}-{vocab_size}-{sys.version}"
+  key = f"{_OFFLINE_RECIPE_VERSION}-{cpython_corpus.CORPUS_VERSION}-{vocab_size}-{sys.version}"
   digest = hashlib.sha256(key.encode()).hexdigest()[:12]
   path = os.path.join(directory, f"offline_spm_{vocab_size}_{digest}.model")
   return cache.build_once(
     path,
-    lambda: train_sentencepiece(text_sources.vocabulary_training_text(), vocab_size),
+    lambda: train_sentencepiece(cpython_corpus.vocabulary_training_text(), vocab_size),
   )
 
 

@@ -5,7 +5,7 @@
   quickstart                 both, mixed with t5x_lite.mixing.temperature_rate
 
 Both have deterministic, disjoint 'train' and 'validation' splits
-(t5x_lite.text_sources). Quickstart feature lengths: inputs 128, targets 32
+(t5x_lite.cpython_corpus). Quickstart feature lengths: inputs 128, targets 32
 (span corruption at inputs 128 gives targets of 29 tokens).
 """
 
@@ -13,23 +13,23 @@ import functools
 
 import seqio
 
-from t5x_lite import file_sources, mixing, preprocessors, task_metrics, text_sources
+from t5x_lite import file_sources, mixing, preprocessors, task_metrics, cpython_corpus
 
 QUICKSTART_FEATURE_LENGTHS = {"inputs": 128, "targets": 32}
 
 
 def _prose(split: str) -> dict[str, list[str]]:
-  return {"text": list(text_sources.prose(split))}
+  return {"text": list(cpython_corpus.prose(split))}
 
 
 def _code_docstring_pairs(split: str) -> dict[str, list[str]]:
-  pairs = text_sources.docstring_pairs(split)
+  pairs = cpython_corpus.docstring_pairs(split)
   return {"code": [code for code, _ in pairs], "docstring": [doc for _, doc in pairs]}
 
 
 seqio.TaskRegistry.add(
   "cpython_span_corruption",
-  source=file_sources.InMemorySource(_prose, splits=text_sources.SPLITS),
+  source=file_sources.InMemorySource(_prose, splits=cpython_corpus.SPLITS),
   preprocessors=preprocessors.unsupervised_preprocessors("span_corruption"),
   output_features=preprocessors.text_to_text_features(),
   metric_fns=[],
@@ -37,7 +37,7 @@ seqio.TaskRegistry.add(
 
 seqio.TaskRegistry.add(
   "cpython_code_to_docstring",
-  source=file_sources.InMemorySource(_code_docstring_pairs, splits=text_sources.SPLITS),
+  source=file_sources.InMemorySource(_code_docstring_pairs, splits=cpython_corpus.SPLITS),
   preprocessors=preprocessors.supervised_preprocessors(
     functools.partial(
       preprocessors.prefixed_pair,

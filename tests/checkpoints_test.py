@@ -1,4 +1,4 @@
-"""Tests for t5x_lite.checkpoints and t5x_lite.checkpoint_files."""
+"""Tests for t5x_lite.checkpoints and t5x_lite.checkpoint_manifest."""
 
 import json
 from pathlib import Path
@@ -11,7 +11,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from t5x_lite import checkpoints
-from t5x_lite.checkpoint_files import CheckpointError, CorruptCheckpointError, FILE_MANIFEST
+from t5x_lite.checkpoint_manifest import CheckpointError, CorruptCheckpointError, FILE_MANIFEST
 from t5x_lite.errors import UserError
 
 

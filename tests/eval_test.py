@@ -1,4 +1,4 @@
-"""Tests of checkpoint evaluation (t5x_lite.evaluation) and the eval entry point.
+"""Tests of checkpoint evaluation (t5x_lite.eval_lib) and the eval entry point.
 
 The entry-point test trains a tiny model with the real train entry (offline
 `quickstart` mixture, two checkpoints) and evaluates it with `python -m
@@ -22,19 +22,19 @@ import seqio
 import tensorflow as tf
 
 from t5x_lite import (
-  batch_inference,
+  infer_lib,
   checkpoints,
   data,
-  evaluation,
-  inference,
+  eval_lib,
+  model_runner,
   models,
   network,
   optimizers,
   partitioning,
   task_metrics,
-  train_loop,
+  train_lib,
 )
-from t5x_lite.checkpoint_files import FILE_MANIFEST, CheckpointError, CorruptCheckpointError
+from t5x_lite.checkpoint_manifest import FILE_MANIFEST, CheckpointError, CorruptCheckpointError
 from t5x_lite.errors import ConfigError
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -123,8 +123,8 @@ def _dataset_cfg(name: str = MIXTURE, **overrides) -> data.DatasetConfig:
 
 def test_metrics_of_predictions_scores_and_loss_only_task(tmp_path, caplog):
   runner = StubRunner()
-  evaluator = evaluation.TaskEvaluator(
-    runner, _dataset_cfg(), log_dir=str(tmp_path), logger_cls=(evaluation.PredictionsJsonlLogger,)
+  evaluator = eval_lib.TaskEvaluator(
+    runner, _dataset_cfg(), log_dir=str(tmp_path), logger_cls=(eval_lib.PredictionsJsonlLogger,)
   )
   assert "task eval_test_no_metrics has no metric functions" in caplog.text
   results = evaluator.evaluate(params=None, step=7)
@@ -185,11 +185,11 @@ def _evaluate(ckpt, out, **overrides):
     checkpoint_path=str(ckpt),
     output_dir=str(out),
     dataset_cfg=_dataset_cfg(LABELED_TASK),
-    decode=inference.DecodeConfig(),
+    decode=model_runner.DecodeConfig(),
     num_examples=None,
   )
   kwargs.update(overrides)
-  return evaluation.evaluate_checkpoints(_build_model, **kwargs)
+  return eval_lib.evaluate_checkpoints(_build_model, **kwargs)
 
 
 def test_real_model_scores_match_score_batch_and_steps_are_skipped(tmp_path):
@@ -199,7 +199,7 @@ def test_real_model_scores_match_score_batch_and_steps_are_skipped(tmp_path):
   assert list(results) == [3, 5]
   params = checkpoints.restore_params(
     tmp_path / "ckpt" / "5",
-    inference.abstract_params(
+    model_runner.abstract_params(
       model, partitioning.create_mesh(), partitioning.standard_logical_axis_rules()
     )[0],
   )
@@ -268,7 +268,7 @@ def test_corrupt_latest_step_is_skipped_by_eval_and_infer_and_redone_by_training
     _evaluate(model_dir / "4", tmp_path / "eval4")
   caplog.clear()
   with caplog.at_level(logging.INFO, logger="absl"):
-    batch_inference.infer(
+    infer_lib.infer(
       _build_model,
       checkpoint_path=str(model_dir),
       output_file=str(tmp_path / "out.jsonl"),
@@ -278,7 +278,7 @@ def test_corrupt_latest_step_is_skipped_by_eval_and_infer_and_redone_by_training
       split="validation",
       batch_size=8,
       mode="predict",
-      decode=inference.DecodeConfig(),
+      decode=model_runner.DecodeConfig(),
     )
   assert f"using step 2 of {model_dir} instead" in caplog.text
   assert f"with step 2 of {model_dir}" in caplog.text
@@ -304,7 +304,7 @@ def _train_tiny(model_dir, total_steps: int, **kwargs) -> None:
   model = models.EncoderDecoderModel(
     module, VOCAB, VOCAB, loss_normalizing_factor="NUM_REAL_TARGET_TOKENS"
   )
-  train_loop.train(
+  train_lib.train(
     model_dir=str(model_dir),
     total_steps=total_steps,
     model=model,

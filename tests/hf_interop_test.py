@@ -23,7 +23,7 @@ import torch
 import transformers
 
 from t5x_lite import checkpoints, hf_interop, network
-from t5x_lite.checkpoint_files import CheckpointNotFoundError, CorruptCheckpointError
+from t5x_lite.checkpoint_manifest import CheckpointNotFoundError, CorruptCheckpointError
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VOCAB = 128

@@ -1,4 +1,4 @@
-"""Tests of batch inference (t5x_lite.batch_inference, t5x_lite.inference) and the infer entry.
+"""Tests of batch inference (t5x_lite.infer_lib, t5x_lite.model_runner) and the infer entry.
 
 In-process tests use a random tiny model with the byte vocabulary written as a
 params-only checkpoint; the entry-point test runs `python -m t5x_lite.infer`
@@ -21,16 +21,16 @@ import seqio
 import tensorflow as tf
 
 from t5x_lite import (
-  batch_inference,
+  infer_lib,
   checkpoints,
   file_sources,
-  inference,
+  model_runner,
   models,
   network,
   partitioning,
   preprocessors,
 )
-from t5x_lite.checkpoint_files import CheckpointError
+from t5x_lite.checkpoint_manifest import CheckpointError
 from t5x_lite.errors import ConfigError, UserError
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -112,10 +112,10 @@ def _infer(ckpt, output, **overrides) -> dict[str, float]:
     split="validation",
     batch_size=8,
     mode="predict",
-    decode=inference.DecodeConfig(),
+    decode=model_runner.DecodeConfig(),
   )
   kwargs.update(overrides)
-  return batch_inference.infer(_build_model, **kwargs)
+  return infer_lib.infer(_build_model, **kwargs)
 
 
 def _lines(path) -> list[dict]:
@@ -149,15 +149,15 @@ def test_one_line_per_input_and_rerun_appends_only_missing_lines(ckpt, tmp_path)
 def test_greedy_score_equals_score_of_the_greedy_tokens(ckpt):
   model = _build_model(_config())
   mesh, rules = partitioning.create_mesh(), partitioning.standard_logical_axis_rules()
-  abstract, shardings = inference.abstract_params(model, mesh, rules)
+  abstract, shardings = model_runner.abstract_params(model, mesh, rules)
   params = checkpoints.restore_params(ckpt, abstract)
-  runner = inference.ModelRunner(model, mesh, rules, shardings, inference.DecodeConfig(), 8)
-  examples = batch_inference.file_examples(
+  runner = model_runner.ModelRunner(model, mesh, rules, shardings, model_runner.DecodeConfig(), 8)
+  examples = infer_lib.file_examples(
     _jsonl(ckpt.parent / "greedy.jsonl", [{"inputs": t} for t in INPUTS[:8]]), model, LENGTHS
   )
-  tokens, scores = runner.predict(params, batch_inference.make_batch(examples, LENGTHS))
+  tokens, scores = runner.predict(params, infer_lib.make_batch(examples, LENGTHS))
   rescored = [dataclasses.replace(ex, target_ids=row[row > 0]) for ex, row in zip(examples, tokens)]
-  rescores = runner.score(params, batch_inference.make_batch(rescored, LENGTHS))
+  rescores = runner.score(params, infer_lib.make_batch(rescored, LENGTHS))
   # A decoded pad id (0) before the end is scored by decoding but not by score_batch.
   clean = np.array(
     [bool((row[np.argmax(row == 0) :] == 0).all()) if (row == 0).any() else True for row in tokens]
@@ -183,8 +183,8 @@ def test_score_mode_tsv_and_task_split_inputs(ckpt, tmp_path):
 @pytest.mark.parametrize(
   "decode",
   [
-    inference.DecodeConfig(decode_fn="beam", num_decodes=4, alpha=0.6),
-    inference.DecodeConfig(decode_fn="sample", num_decodes=2, temperature=0.7, topk=5, topp=0.9),
+    model_runner.DecodeConfig(decode_fn="beam", num_decodes=4, alpha=0.6),
+    model_runner.DecodeConfig(decode_fn="sample", num_decodes=2, temperature=0.7, topk=5, topp=0.9),
   ],
   ids=["beam", "sample"],
 )
@@ -234,7 +234,7 @@ def test_relative_paths_and_unusable_files_are_named(ckpt, tmp_path, monkeypatch
   ):
     _infer("ckpt", "garbage.jsonl", input_file="in.jsonl")
   with pytest.raises(ConfigError, match="DecodeConfig.decode_fn must be one of"):
-    inference.DecodeConfig(decode_fn="nucleus")
+    model_runner.DecodeConfig(decode_fn="nucleus")
 
 
 @pytest.mark.slow
@@ -285,10 +285,10 @@ def test_task_split_names_an_unknown_task_and_a_missing_feature():
     match=rf"No seqio task or mixture named 'infer_test_missing_featur'"
     rf" \(closest: {name}[,)]",
   ):
-    batch_inference.task_examples(name[:-1], "validation", {"inputs": 8, "targets": 4})
+    infer_lib.task_examples(name[:-1], "validation", {"inputs": 8, "targets": 4})
   with pytest.raises(
     ConfigError,
     match=rf"Task {name}: preprocessor text_to_text asks for "
     r"feature 'label', but the source has columns",
   ):
-    batch_inference.task_examples(name, "validation", {"inputs": 8, "targets": 4})
+    infer_lib.task_examples(name, "validation", {"inputs": 8, "targets": 4})

@@ -26,7 +26,7 @@ import jax
 import numpy as np
 import pytest
 
-from t5x_lite import checkpoints, cli, data, partitioning, train_loop, trainer
+from t5x_lite import checkpoints, cli, data, partitioning, train_lib, trainer
 
 pytestmark = pytest.mark.slow  # subprocess runs of the entry points
 
@@ -147,8 +147,8 @@ def test_resume_on_data4_model2_mesh_continues_training(runs):
 def _restore(config: str, model_dir: str, step: int, mesh: jax.sharding.Mesh):
   gin.clear_config()
   cli.parse_gin([config], [])
-  model = train_loop.build_model()
-  bindings = gin.get_bindings(train_loop.train)
+  model = train_lib.build_model()
+  bindings = gin.get_bindings(train_lib.train)
   shapes = data.model_input_shapes(bindings["train_dataset_cfg"])
   rules = partitioning.standard_logical_axis_rules()
   abstract, _ = trainer.abstract_train_state(model, bindings["optimizer"], shapes, mesh, rules)

@@ -15,7 +15,7 @@ import seqio  # noqa: E402
 import tensorflow_datasets as tfds  # noqa: E402
 
 import tasks  # noqa: E402,F401
-from t5x_lite import file_sources, task_metrics, text_sources  # noqa: E402
+from t5x_lite import file_sources, task_metrics, cpython_corpus  # noqa: E402
 
 LENGTHS = {"inputs": 64, "targets": 16}
 TFDS_TASKS = sorted(n for n in seqio.TaskRegistry.names() if n.startswith(("c4_", "glue_", "wmt")))
@@ -183,13 +183,13 @@ def test_shards_are_disjoint():
 
 
 def test_offline_splits_are_disjoint_and_stable():
-  for corpus in (text_sources.prose, text_sources.docstring_pairs):
+  for corpus in (cpython_corpus.prose, cpython_corpus.docstring_pairs):
     train, validation = set(corpus("train")), set(corpus("validation"))
     assert train and validation and not train & validation
     assert 0.02 < len(validation) / (len(train) + len(validation)) < 0.08
-  train_docs = {doc for _, doc in text_sources.docstring_pairs("train")}
-  assert not train_docs & {doc for _, doc in text_sources.docstring_pairs("validation")}
-  assert text_sources.split_of("def f(): pass") == text_sources.split_of("def f(): pass")
+  train_docs = {doc for _, doc in cpython_corpus.docstring_pairs("train")}
+  assert not train_docs & {doc for _, doc in cpython_corpus.docstring_pairs("validation")}
+  assert cpython_corpus.split_of("def f(): pass") == cpython_corpus.split_of("def f(): pass")
 
 
 def test_missing_file_names_path_and_gin_param(tmp_path):

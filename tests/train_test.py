@@ -26,7 +26,7 @@ import pytest
 import seqio
 import tensorflow as tf
 
-from t5x_lite import checkpoints, cli, console, data, models, network, optimizers, train_loop
+from t5x_lite import checkpoints, cli, console, data, models, network, optimizers, train_lib
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIXED_TASK = "train_test_fixed_pair"
@@ -100,7 +100,7 @@ def _train(model_dir, steps: int, **kwargs):
   kwargs.setdefault("optimizer", optimizers.adafactor(learning_rate=0.01))
   kwargs.setdefault("train_dataset_cfg", _dataset())
   kwargs.setdefault("log_period", 1)
-  return train_loop.train(model_dir=str(model_dir), total_steps=steps, **kwargs)
+  return train_lib.train(model_dir=str(model_dir), total_steps=steps, **kwargs)
 
 
 def _records(model_dir, split: str = "train") -> list[dict]:
@@ -144,7 +144,7 @@ def test_loss_on_a_repeated_batch_falls_by_more_than_half(tmp_path):
 def test_non_finite_loss_names_step_and_keeps_last_checkpoint(tmp_path):
   gin.bind_parameter("TrainCheckpointer.save_period", 2)
   explode_after_4 = lambda step: jnp.where(step < 4, 1e-3, 1e30)  # noqa: E731
-  with pytest.raises(train_loop.NonFiniteLossError, match=r"at step (\d+)") as e:
+  with pytest.raises(train_lib.NonFiniteLossError, match=r"at step (\d+)") as e:
     _train(tmp_path, 20, optimizer=optimizers.adamw(learning_rate=explode_after_4))
   bad_step = int(re.search(r"at step (\d+)", str(e.value)).group(1))
   saved = checkpoints.TrainCheckpointer(tmp_path)

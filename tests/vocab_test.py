@@ -15,7 +15,7 @@ import pytest  # noqa: E402
 import seqio  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-from t5x_lite import cache, text_sources, vocab  # noqa: E402
+from t5x_lite import cache, cpython_corpus, vocab  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -36,7 +36,7 @@ def test_offline_vocabulary_has_t5_ids():
 
 def test_default_vocabulary_follows_gin(tmp_path):
   small = tmp_path / "small.model"
-  small.write_bytes(vocab.train_sentencepiece(text_sources.prose("validation"), vocab_size=300))
+  small.write_bytes(vocab.train_sentencepiece(cpython_corpus.prose("validation"), vocab_size=300))
   deferred = vocab.default_vocabulary()
   assert deferred.vocab_size == 8100
   with gin.unlock_config():
@@ -52,7 +52,7 @@ def test_default_vocabulary_follows_gin(tmp_path):
 
 
 def test_training_is_deterministic():
-  text = text_sources.prose("validation")
+  text = cpython_corpus.prose("validation")
   assert vocab.train_sentencepiece(text, 300) == vocab.train_sentencepiece(text, 300)
   assert vocab.train_sentencepiece(text, 300) != vocab.train_sentencepiece(text[1:], 300)
 

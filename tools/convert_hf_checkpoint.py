@@ -41,7 +41,7 @@ from absl import app, flags
 from etils import epath
 
 from t5x_lite import checkpoints, errors, hf_interop
-from t5x_lite.checkpoint_files import absolute_path, not_a_directory
+from t5x_lite.checkpoint_manifest import absolute_path, not_a_directory
 from t5x_lite.errors import ConfigError
 from t5x_lite.network import T5Config, Transformer
 
@@ -77,7 +77,7 @@ _GIN_SEARCH_PATHS = flags.DEFINE_list(
   "Directories searched for --gin_file and gin `include`s.",
 )
 
-# Where training checkpoints (t5x_lite.train_loop) keep the T5Config fields.
+# Where training checkpoints (t5x_lite.train_lib) keep the T5Config fields.
 TRAIN_META_CONFIG_KEY = "model_config"
 
 

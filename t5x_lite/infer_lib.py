@@ -44,8 +44,8 @@ import seqio
 import tqdm
 from absl import logging
 
-from t5x_lite import checkpoints, data, file_sources, inference, models, network
-from t5x_lite.checkpoint_files import not_a_directory, shown
+from t5x_lite import checkpoints, data, file_sources, model_runner, models, network
+from t5x_lite.checkpoint_manifest import not_a_directory, shown
 from t5x_lite.errors import ConfigError
 
 MODES = ("predict", "score")
@@ -256,7 +256,7 @@ class ResumableJsonl:
 
 
 def _records(
-  runner: inference.ModelRunner,
+  runner: model_runner.ModelRunner,
   params: Any,
   batch_examples: Sequence[Example],
   batch: Mapping[str, np.ndarray],
@@ -316,12 +316,12 @@ def infer(
   split: str,
   batch_size: int,
   mode: str,
-  decode: inference.DecodeConfig,
+  decode: model_runner.DecodeConfig,
 ) -> dict[str, float]:
   """Decodes or scores every input and appends the missing output lines.
 
   Args:
-    build_model: T5Config -> model (the entry point passes `train_loop.build_model`).
+    build_model: T5Config -> model (the entry point passes `train_lib.build_model`).
     checkpoint_path: a step directory or a checkpoint root (its newest intact step is
       used).
     output_file: the JSONL output (see the module docstring).
@@ -346,8 +346,8 @@ def infer(
     raise ConfigError("Set exactly one of INPUT_FILE and MIXTURE_OR_TASK_NAME.")
   _check_output_file(output_file)
   step_dir = checkpoints.resolve_step_dir(checkpoint_path)  # verified
-  step = inference.step_number(step_dir)
-  model = build_model(inference.network_config(step_dir))
+  step = model_runner.step_number(step_dir)
+  model = build_model(model_runner.network_config(step_dir))
   if input_file is not None:
     examples, source = file_examples(input_file, model, task_feature_lengths), input_file
   else:
@@ -380,13 +380,13 @@ def _run(
   lengths: Mapping[str, int],
   batch_size: int,
   mode: str,
-  decode: inference.DecodeConfig,
+  decode: model_runner.DecodeConfig,
 ) -> dict[str, float]:
   """Restores params and writes the missing lines with a progress bar."""
-  mesh, rules = inference.mesh_and_rules()
-  abstract, shardings = inference.abstract_params(model, mesh, rules)
+  mesh, rules = model_runner.mesh_and_rules()
+  abstract, shardings = model_runner.abstract_params(model, mesh, rules)
   params = checkpoints.restore_params(step_dir, abstract, verify_checksums=False)  # verified
-  runner = inference.ModelRunner(model, mesh, rules, shardings, decode, batch_size)
+  runner = model_runner.ModelRunner(model, mesh, rules, shardings, decode, batch_size)
   todo = examples[output.done :]
   generated, start = 0, time.perf_counter()
   with tqdm.tqdm(

@@ -33,7 +33,7 @@ from etils import epath
 from jax.sharding import NamedSharding, PartitionSpec
 
 from t5x_lite import checkpoints, models, network, partitioning
-from t5x_lite.checkpoint_files import absolute_path
+from t5x_lite.checkpoint_manifest import absolute_path
 from t5x_lite.errors import ConfigError
 
 PyTree = Any

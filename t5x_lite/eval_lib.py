@@ -47,8 +47,8 @@ import tensorflow as tf
 import tqdm
 from absl import logging
 
-from t5x_lite import checkpoints, data, inference, models, network, partitioning
-from t5x_lite.checkpoint_files import absolute_path, intact_steps, not_a_directory, verify_files
+from t5x_lite import checkpoints, data, model_runner, models, network, partitioning
+from t5x_lite.checkpoint_manifest import absolute_path, intact_steps, not_a_directory, verify_files
 from t5x_lite.errors import ConfigError
 
 PyTree = Any
@@ -122,7 +122,7 @@ class TaskEvaluator:
 
   def __init__(
     self,
-    runner: inference.ModelRunner,
+    runner: model_runner.ModelRunner,
     dataset_cfg: data.DatasetConfig,
     *,
     num_examples: int | None = None,
@@ -272,7 +272,7 @@ class TaskEvaluator:
 
 
 def _run_description(
-  cfg: data.DatasetConfig, num_examples: int | None, decode: inference.DecodeConfig
+  cfg: data.DatasetConfig, num_examples: int | None, decode: model_runner.DecodeConfig
 ) -> dict[str, Any]:
   """What a step's metrics depend on besides the checkpoint (JSON-normalised)."""
   lengths = cfg.task_feature_lengths
@@ -340,13 +340,13 @@ def evaluate_checkpoints(
   checkpoint_path: str = gin.REQUIRED,
   output_dir: str = gin.REQUIRED,
   dataset_cfg: data.DatasetConfig = gin.REQUIRED,
-  decode: inference.DecodeConfig,
+  decode: model_runner.DecodeConfig,
   num_examples: int | None,
 ) -> dict[int, Metrics]:
   """Evaluates every not yet evaluated checkpoint step (see the module docstring).
 
   Args:
-    build_model: T5Config -> model (the entry point passes `train_loop.build_model`);
+    build_model: T5Config -> model (the entry point passes `train_lib.build_model`);
       the config is the checkpoint's, overridden by `T5Config.*` gin bindings.
     checkpoint_path: one step directory, or a checkpoint root (MODEL_DIR): all its
       intact steps.
@@ -367,7 +367,7 @@ def evaluate_checkpoints(
   if problem := not_a_directory("EVAL_OUTPUT_DIR", output_dir):
     raise ConfigError(problem)
   output_dir = os.fspath(absolute_path(output_dir))
-  steps = inference.checkpoint_steps(checkpoint_path)
+  steps = model_runner.checkpoint_steps(checkpoint_path)
   run = _run_description(dataset_cfg, num_examples, decode)
   pending = _pending_steps(steps, output_dir, run)
   if not pending:
@@ -383,10 +383,10 @@ def evaluate_checkpoints(
   else:
     pending = intact_steps(absolute_path(checkpoint_path), pending)
   os.makedirs(output_dir, exist_ok=True)
-  model = build_model(inference.network_config(pending[-1][1]))
-  mesh, rules = inference.mesh_and_rules()
-  abstract, shardings = inference.abstract_params(model, mesh, rules)
-  runner = inference.ModelRunner(model, mesh, rules, shardings, decode, dataset_cfg.batch_size)
+  model = build_model(model_runner.network_config(pending[-1][1]))
+  mesh, rules = model_runner.mesh_and_rules()
+  abstract, shardings = model_runner.abstract_params(model, mesh, rules)
+  runner = model_runner.ModelRunner(model, mesh, rules, shardings, decode, dataset_cfg.batch_size)
   loggers = (seqio.TensorBoardLogger, PredictionsJsonlLogger)
   evaluator = TaskEvaluator(
     runner,
@@ -425,7 +425,7 @@ def training_evaluator(
   model_dir: str,
   *,
   dataset_cfg: data.DatasetConfig | None = None,
-  decode: inference.DecodeConfig | None = None,
+  decode: model_runner.DecodeConfig | None = None,
   num_examples: int | None = None,
 ) -> Callable[[PyTree, int], dict[str, float]]:
   """seqio evaluation for the train loop, data read and cached once.
@@ -453,8 +453,8 @@ def training_evaluator(
       "train.infer_eval_period needs train.eval_dataset_cfg or training_evaluator.dataset_cfg."
     )
   cfg = dataset_cfg or dataclasses.replace(eval_dataset_cfg, shuffle=False, pack=False)
-  runner = inference.ModelRunner(
-    model, mesh, rules, param_shardings, decode or inference.DecodeConfig(), cfg.batch_size
+  runner = model_runner.ModelRunner(
+    model, mesh, rules, param_shardings, decode or model_runner.DecodeConfig(), cfg.batch_size
   )
   evaluator = TaskEvaluator(
     runner,

@@ -43,7 +43,7 @@ from absl import logging
 from t5x_lite import (
   checkpoints,
   data,
-  evaluation,
+  eval_lib,
   flops,
   metrics_logging,
   models,
@@ -262,7 +262,7 @@ class _Loop:
       peak_flops_per_device=peak,
     )
     self.eval: tuple[data.DatasetConfig, int, int, Any] | None = None
-    # (period, fn(params, step) -> scalars): seqio evaluation, see `evaluation`.
+    # (period, fn(params, step) -> scalars): seqio evaluation, see `eval_lib`.
     self.infer_eval: tuple[int, Any] | None = None
     self.last_saved = ckpt.latest_step()
 
@@ -404,7 +404,7 @@ def train(
     eval_period: evaluate every this many steps and at the end (0: never).
     eval_steps: batches per evaluation.
     infer_eval_period: seqio evaluation (decoded predictions and the tasks'
-      metrics, `evaluation.training_evaluator`) of `eval_dataset_cfg` every
+      metrics, `eval_lib.training_evaluator`) of `eval_dataset_cfg` every
       this many steps and at the end (0: never).
     log_period: write metrics every this many steps.
     random_seed: parameter init and dropout seed of a fresh run (a resumed run
@@ -466,7 +466,7 @@ def train(
     if infer_eval_period > 0:
       loop.infer_eval = (
         infer_eval_period,
-        evaluation.training_evaluator(
+        eval_lib.training_evaluator(
           model, mesh, rules, setup.shardings.params, eval_dataset_cfg, model_dir
         ),
       )
