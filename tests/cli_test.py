@@ -6,7 +6,7 @@ import sys
 
 import gin
 import pytest
-from absl import flags
+from absl import app, flags
 
 import tasks  # noqa: F401  (registers local_data_dir through tasks.local)
 from t5x_lite import cli, data, errors, file_sources
@@ -27,11 +27,6 @@ def test_data_dir_flag_sets_local_data_dir(tmp_path):
     gin.clear_config()
 
 
-def test_gin_shorthand_is_rewritten_into_bindings():
-  argv = cli.rewrite_gin_args(["prog", "--gin.MODEL_DIR=./runs/x", "--gin.TRAIN_STEPS=5"])
-  assert argv == ["prog", "--gin_bindings=MODEL_DIR = './runs/x'", "--gin_bindings=TRAIN_STEPS = 5"]
-
-
 def test_cpu_xla_flags_are_added_without_overriding_the_users():
   environ = {}
   assert cli.add_cpu_xla_flags(environ) == "--xla_cpu_experimental_ynn_fusion_type=-reduce"
@@ -44,53 +39,6 @@ def test_cpu_xla_flags_are_added_without_overriding_the_users():
   environ = {"XLA_FLAGS": "--xla_cpu_experimental_ynn_fusion_type="}
   assert cli.add_cpu_xla_flags(environ) == "--xla_cpu_experimental_ynn_fusion_type="
   assert cli.add_cpu_xla_flags(environ) == "--xla_cpu_experimental_ynn_fusion_type="
-
-
-def test_gin_includes_resolve_beside_a_runs_folder(tmp_path, monkeypatch):
-  # `python -m` puts the working directory on sys.path; the quickstart leaves ./runs/
-  # there, which made gin's package-resource lookup of 'runs/finetune.gin' crash.
-  (tmp_path / "runs" / "quickstart").mkdir(parents=True)
-  monkeypatch.chdir(tmp_path)
-  monkeypatch.syspath_prepend(str(tmp_path))
-  gin.clear_config()
-  try:
-    cli.parse_gin(["quickstart_finetune.gin"], [])
-    assert gin.query_parameter("%MODEL_DIR") == "./runs/quickstart_ft"
-  finally:
-    gin.clear_config()
-
-
-def test_gin_errors_name_the_file_or_binding():
-  gin.clear_config()
-  with pytest.raises(errors.ConfigError, match="gin file not found: no_such.gin"):
-    cli.parse_gin(["no_such.gin"], [])
-  with pytest.raises(errors.ConfigError, match="No configurable matching 'Nope'.*Nope.x = 1"):
-    cli.parse_gin(["quickstart.gin"], ["Nope.x = 1"])
-  gin.clear_config()
-
-
-def test_required_macro_reset_by_a_later_file_is_named():
-  # runs/finetune.gin includes runs/pretrain.gin, which sets TASK_FEATURE_LENGTHS and
-  # INITIAL_CHECKPOINT_PATH back to %gin.REQUIRED after quickstart.gin set the former.
-  gin.clear_config()
-  try:
-    cli.parse_gin(["quickstart.gin", "runs/finetune.gin"], [])
-    with pytest.raises(
-      errors.ConfigError, match=r"INITIAL_CHECKPOINT_PATH, .*TASK_FEATURE_LENGTHS"
-    ):
-      cli.check_required_macros()
-    gin.clear_config()
-    cli.parse_gin(["quickstart.gin"], [])
-    cli.check_required_macros()  # everything set
-    gin.clear_config()
-    cli.parse_gin(
-      ["runs/pretrain.gin"], ["MIXTURE_OR_TASK_NAME = 'x'", "TASK_FEATURE_LENGTHS = {'inputs': 8}"]
-    )
-    cli.check_required_macros(optional=("MODEL_DIR", "TRAIN_STEPS"))  # --precompile
-    with pytest.raises(errors.ConfigError, match="MODEL_DIR, TRAIN_STEPS are required"):
-      cli.check_required_macros()
-  finally:
-    gin.clear_config()
 
 
 def test_task_modules_are_found_in_the_working_directory(tmp_path, monkeypatch):
@@ -116,6 +64,27 @@ def test_task_modules_are_found_in_the_working_directory(tmp_path, monkeypatch):
   try:
     cli.setup()
     assert sys.modules["cli_test_macro_tasks"].REGISTERED
+  finally:
+    flags.FLAGS.unparse_flags()
+    gin.clear_config()
+
+
+def test_gin_entry_point_sets_up_then_runs():
+  calls = []
+
+  def run():
+    calls.append(gin.query_parameter("%TRAIN_STEPS"))
+
+  main = cli.gin_entry_point(run)
+  gin.clear_config()
+  flags.FLAGS.unparse_flags()
+  flags.FLAGS(["prog", "--gin_file=quickstart.gin", "--gin_bindings=TRAIN_STEPS = 3"])
+  try:
+    with pytest.raises(app.UsageError, match="Unexpected arguments: extra args"):
+      main(["prog", "extra", "args"])
+    assert calls == []
+    main(["prog"])
+    assert calls == [3]  # gin was parsed before `run`
   finally:
     flags.FLAGS.unparse_flags()
     gin.clear_config()
