@@ -2,7 +2,8 @@ r"""Prints parameter counts and FLOPs per token of a gin-configured T5 network.
 
 Shapes come from `jax.eval_shape`, so nothing is allocated and XXL works on a laptop.
 
-Usage (gin paths are relative to the search path root, the repo's gin/ dir):
+Usage (gin paths are relative to the search paths, by default the repo's gin/ and
+gin/models/ dirs; the gin flags are those of the entry points, `t5x_lite.gin_config`):
 
   python tools/model_info.py --gin_file=models/t5_1_1/small.gin --json
   python tools/model_info.py --gin_file=models/t5_1_1/base.gin \
@@ -18,50 +19,19 @@ from t5x_lite import console  # first: quiets TensorFlow and JAX start-up
 import dataclasses
 import json
 import math
-import os
-import sys
 from collections.abc import Sequence
 
-import gin
 import jax
 import jax.numpy as jnp
 from absl import app, flags
 from flax.core import meta
 
-from t5x_lite import errors, flops, network
+from t5x_lite import flops, gin_config, network
 from t5x_lite.errors import ConfigError
 
-DEFAULT_GIN_SEARCH_PATH = os.path.join(
-  os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'gin'
-)
-
-_GIN_FILES = flags.DEFINE_multi_string(
-  'gin_file', [], 'Gin config files (relative to a search path or absolute).'
-)
-_GIN_SEARCH_PATHS = flags.DEFINE_list(
-  'gin_search_paths',
-  [DEFAULT_GIN_SEARCH_PATH],
-  'Roots that gin file paths and includes are relative to.',
-)
-_GIN_BINDINGS = flags.DEFINE_multi_string(
-  'gin_bindings',
-  [],
-  'Extra gin bindings, e.g. "T5Config.dtype = \'bfloat16\'"; also --gin.NAME=VALUE.',
-)
 _INPUT_LENGTH = flags.DEFINE_integer('input_length', 512, 'Encoder sequence length.')
 _TARGET_LENGTH = flags.DEFINE_integer('target_length', 114, 'Decoder sequence length.')
 _JSON = flags.DEFINE_bool('json', False, 'Print a JSON summary as the last stdout line.')
-
-
-def rewrite_gin_args(argv: Sequence[str]) -> list[str]:
-  """Turns `--gin.NAME=VALUE` arguments into `--gin_bindings=NAME = VALUE`."""
-  rewritten = []
-  for arg in argv:
-    if arg.startswith('--gin.'):
-      name, _, value = arg[len('--gin.') :].partition('=')
-      arg = f'--gin_bindings={name} = {value}'
-    rewritten.append(arg)
-  return rewritten
 
 
 def param_breakdown(config: network.T5Config) -> dict[str, int]:
@@ -107,12 +77,10 @@ def configured_network() -> network.T5Config:
     ConfigError: a missing gin file, a syntax error, an unknown name or a bad
       value, on one line naming it.
   """
-  for path in _GIN_SEARCH_PATHS.value:
-    gin.add_config_file_search_path(path)
+  gin_config.parse_gin_flags()
   try:
-    gin.parse_config_files_and_bindings(_GIN_FILES.value, _GIN_BINDINGS.value)
     return network.T5Config()
-  except (OSError, SyntaxError, ValueError, TypeError) as e:
+  except (ValueError, TypeError) as e:
     raise ConfigError(' '.join(str(e).split())) from e
 
 
@@ -136,4 +104,4 @@ def main(argv: Sequence[str]) -> None:
 
 
 if __name__ == '__main__':
-  app.run(errors.reporting(main), argv=rewrite_gin_args(sys.argv))
+  gin_config.run_app(main)
