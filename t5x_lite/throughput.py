@@ -9,14 +9,16 @@ the network's matmuls, no rematerialisation); the peak comes from, in order:
   the vendors' spec sheets (per chip / per GPU, no sparsity). MFU against the
   bf16 peak is the usual convention even for float32 runs;
 3. on CPU (or an unknown device): a float32 matmul measured at startup on
-  the first device (`measure_matmul_flops`), i.e. what XLA's CPU backend
-  actually reaches on this machine. With several (fake) CPU devices on one
-  host they share those cores, so per-device MFU there is an upper bound.
+  the first device (`measure_matmul_flops`, the same measurement as
+  tools/benchmark.py's), i.e. what XLA's CPU backend actually reaches on
+  this machine. With several (fake) CPU devices on one host they share
+  those cores, so per-device MFU there is an upper bound.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import statistics
 import time
 
 import gin
@@ -46,26 +48,38 @@ def table_peak_flops(device_kind: str) -> float | None:
   return PEAK_BF16_FLOPS[max(matches, key=len)]
 
 
-def measure_matmul_flops(size: int = 1024, repeats: int = 10) -> float:
-  """Measured float32 matmul FLOP/s on the first device (best of `repeats`).
+def measure_matmul_flops(
+  size: int = 1024, dtype: jnp.dtype = jnp.float32, repeats: int = 10, warmup: int = 2
+) -> float:
+  """Measured matmul FLOP/s on the first device (median of `repeats` timed runs).
+
+  The peak that MFU is computed against here and in tools/benchmark.py. The
+  product of two random [size, size] matrices of `dtype` accumulates in
+  float32, as matmul units do: XLA:CPU's bf16-output dot is about 4x slower
+  than bf16 inputs with a float32 result, which understated the bf16 peak.
 
   Args:
     size: square matrix size.
-    repeats: timed runs after one warm-up.
+    dtype: input dtype (the model's activation dtype).
+    repeats: timed runs.
+    warmup: untimed runs before timing (the first one compiles).
 
   Returns:
     FLOP/s of `size x size @ size x size` (2 * size**3 FLOPs per run).
   """
   device = jax.devices()[0]
-  x = jax.device_put(jnp.ones((size, size), jnp.float32), device)  # [size, size]
-  matmul = jax.jit(lambda a: a @ a)  # [size, size]
-  matmul(x).block_until_ready()
-  best = float("inf")
+  x, y = jax.device_put(
+    jax.random.normal(jax.random.PRNGKey(0), (2, size, size), dtype), device
+  )  # 2 x [size, size]
+  matmul = jax.jit(lambda a, b: jnp.matmul(a, b, preferred_element_type=jnp.float32))
+  for _ in range(warmup):
+    matmul(x, y).block_until_ready()  # [size, size]
+  times = []
   for _ in range(repeats):
     start = time.perf_counter()
-    matmul(x).block_until_ready()
-    best = min(best, time.perf_counter() - start)
-  return 2.0 * size**3 / best
+    matmul(x, y).block_until_ready()
+    times.append(time.perf_counter() - start)
+  return 2.0 * size**3 / statistics.median(times)
 
 
 @gin.configurable

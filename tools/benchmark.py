@@ -7,7 +7,8 @@ Measures, after warm-up, the median over --reps repetitions of:
     warmup_init=False, clip_threshold=1.0, decay_rate=-0.8, beta1=None: T5's settings,
     as in our `optimizers.adafactor`) at the same constant learning rate;
   * MFU = model FLOP/s (`t5x_lite.flops`) / peak matmul FLOP/s, the peak measured here
-    with a large matmul in the same dtype in jax (used for our MFU) and torch (HF's);
+    with a large matmul in the same dtype in jax (`throughput.measure_matmul_flops`, as
+    training does on CPU; used for our MFU) and torch (HF's);
   * greedy and beam decode tokens/s: exactly --decode_length new tokens per example
     (min = max length in both; HF `generate(use_cache=True)`), tokens counted once per
     input example (not per beam), encoder included;
@@ -39,13 +40,12 @@ from typing import Any
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 import numpy as np
 import seqio
 from absl import app, flags
 
-from t5x_lite import cli, data_benchmark, flops, hf_interop, models, network, optimizers
-from t5x_lite import partitioning, trainer
+from t5x_lite import cli, data_benchmark, flops, gin_config, hf_interop, models, network
+from t5x_lite import optimizers, partitioning, throughput, trainer
 
 _COMPARE_HF = flags.DEFINE_bool("compare_hf", False, "Also measure HF transformers T5.")
 _JSON = flags.DEFINE_string("json", None, "Write all figures as a JSON object here.")
@@ -154,21 +154,11 @@ def random_batch(s: Settings, seed: int = 0) -> dict[str, np.ndarray]:
 # ----------------------------------------------------------------------------- peak
 
 
-def jax_matmul_peak(size: int, dtype: Any, reps: int) -> float:
-  """FLOP/s of a [size, size] @ [size, size] jax matmul of `dtype` inputs (median).
-
-  Accumulates in float32, as matmul units do (XLA:CPU's bf16-output dot is a slower
-  path than bf16 inputs with a float32 result).
-  """
-  x = jnp.asarray(np.random.default_rng(0).standard_normal((size, size)), dtype)  # [n, n]
-  y = jnp.asarray(np.random.default_rng(1).standard_normal((size, size)), dtype)  # [n, n]
-  matmul = jax.jit(lambda a, b: jnp.matmul(a, b, preferred_element_type=jnp.float32))
-  seconds, _ = time_median(lambda: matmul(x, y).block_until_ready(), reps, 2)
-  return 2.0 * size**3 / seconds
-
-
 def torch_matmul_peak(size: int, dtype: Any, reps: int, device: str) -> float:
-  """FLOP/s of a [size, size] @ [size, size] torch matmul in `dtype` (median)."""
+  """FLOP/s of a [size, size] @ [size, size] torch matmul in `dtype` (median).
+
+  The torch side of `throughput.measure_matmul_flops` (2 warm-up runs).
+  """
   import torch
 
   x = torch.randn(size, size, device=device).to(dtype)  # [n, n]
@@ -425,7 +415,7 @@ def run_benchmark(s: Settings) -> dict[str, Any]:
     "config": dataclasses.asdict(s.config),
     "settings": {k: v for k, v in dataclasses.asdict(s).items() if k != "config"},
   }
-  raw["jax_peak_flops"] = jax_matmul_peak(s.matmul_size, dtype, s.reps)
+  raw["jax_peak_flops"] = throughput.measure_matmul_flops(s.matmul_size, dtype, s.reps)
   model = make_model(s.config)
   holder: dict[str, Any] = {}
   if "train" not in s.skip:
@@ -523,11 +513,7 @@ def _resolve_dtype(name: str) -> str:
 def main(argv: Sequence[str]) -> None:
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
-  cli.parse_gin(
-    flags.FLAGS.gin_file or [DEFAULT_GIN_FILE],
-    flags.FLAGS.gin_bindings,
-    flags.FLAGS.gin_search_paths,
-  )
+  gin_config.parse_gin_flags(default_files=[DEFAULT_GIN_FILE])
   config = dataclasses.replace(network.T5Config(), dtype=_resolve_dtype(_DTYPE.value))
   settings = Settings(
     config=config,
