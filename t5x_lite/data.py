@@ -274,25 +274,6 @@ def naming_failing_task(
     raise
 
 
-def _seqio_dataset(
-  config: DatasetConfig, *, shuffle: bool, num_epochs: int | None
-) -> tf.data.Dataset:
-  """This host's shard of `config`'s model features, unbatched."""
-  name = config.mixture_or_task_name
-  with naming_failing_task(name, config.split, config.task_feature_lengths, config.seed):
-    return seqio.get_dataset(
-      name,
-      task_feature_lengths=config.task_feature_lengths,
-      feature_converter=feature_converter(config),
-      dataset_split=config.split,
-      use_cached=config.use_cached,
-      shuffle=shuffle,
-      num_epochs=num_epochs,
-      shard_info=seqio.ShardInfo(index=jax.process_index(), num_shards=jax.process_count()),
-      seed=config.seed,
-    )
-
-
 @dataclasses.dataclass(frozen=True)
 class Truncation:
   """How many examples of a task have a feature longer than its length.
@@ -372,23 +353,54 @@ def log_truncation(
   return report
 
 
-def host_dataset(config: DatasetConfig, *, num_epochs: int | None) -> tf.data.Dataset:
+def host_dataset(
+  config: DatasetConfig, *, num_epochs: int | None, drop_remainder: bool = True
+) -> tf.data.Dataset:
   """This host's shard, batched to `batch_size // process_count`, prefetched.
+
+  The one pipeline that training and evaluation read (and that
+  tools/data_benchmark.py times): seqio.get_dataset with the config's feature
+  converter, shuffled with its seed when `config.shuffle`.
 
   Args:
     config: what to read.
     num_epochs: None repeats forever (training); 1 reads the split once.
+    drop_remainder: drop a last partial batch (training); False keeps it.
 
   Returns:
-    A tf.data.Dataset of dicts of int32 [per_host_batch, length] tensors
-    (full batches only).
+    A tf.data.Dataset of dicts of int32 [per_host_batch, length] tensors.
 
   Raises:
     ConfigError: for a preprocessor asking for a feature its input lacks.
   """
-  dataset = _seqio_dataset(config, shuffle=config.shuffle, num_epochs=num_epochs)
-  dataset = dataset.batch(per_host_batch_size(config.batch_size), drop_remainder=True)
+  name = config.mixture_or_task_name
+  with naming_failing_task(name, config.split, config.task_feature_lengths, config.seed):
+    dataset = seqio.get_dataset(
+      name,
+      task_feature_lengths=config.task_feature_lengths,
+      feature_converter=feature_converter(config),
+      dataset_split=config.split,
+      use_cached=config.use_cached,
+      shuffle=config.shuffle,
+      num_epochs=num_epochs,
+      shard_info=seqio.ShardInfo(index=jax.process_index(), num_shards=jax.process_count()),
+      seed=config.seed,
+    )
+  dataset = dataset.batch(per_host_batch_size(config.batch_size), drop_remainder=drop_remainder)
   return dataset.prefetch(tf.data.AUTOTUNE)
+
+
+def _zero_padded(
+  batch: Mapping[str, np.ndarray] | None, rows: int, lengths: Mapping[str, int]
+) -> dict[str, np.ndarray]:
+  """`batch` with all-zero rows appended up to `rows` (all zeros when None)."""
+  padded = {}
+  for name, length in lengths.items():
+    value = np.zeros((rows, length), np.int32)  # [rows, length]
+    if batch is not None:
+      value[: batch[name].shape[0]] = batch[name]
+    padded[name] = value
+  return padded
 
 
 def to_global(local: Mapping[str, np.ndarray], sharding: Sharding) -> Batch:
@@ -497,15 +509,8 @@ def eval_batches(config: DatasetConfig, sharding: Sharding, num_batches: int) ->
   """
   config = dataclasses.replace(config, shuffle=False)
   rows = per_host_batch_size(config.batch_size)
-  dataset = _seqio_dataset(config, shuffle=False, num_epochs=1).batch(rows)
-  shapes = model_feature_lengths(config)
+  lengths = model_feature_lengths(config)
+  dataset = host_dataset(config, num_epochs=1, drop_remainder=False)
   local = dataset.take(num_batches).as_numpy_iterator()
   for _ in range(num_batches):
-    batch = next(local, None)
-    padded = {}
-    for name, length in shapes.items():
-      value = np.zeros((rows, length), np.int32)
-      if batch is not None:
-        value[: batch[name].shape[0]] = batch[name]
-      padded[name] = value
-    yield to_global(padded, sharding)
+    yield to_global(_zero_padded(next(local, None), rows, lengths), sharding)
