@@ -12,8 +12,9 @@ Measures, after warm-up, the median over --reps repetitions of:
   * greedy and beam decode tokens/s: exactly --decode_length new tokens per example
     (min = max length in both; HF `generate(use_cache=True)`), tokens counted once per
     input example (not per beam), encoder included;
-  * input pipeline examples/s (span corruption + packing, `data_benchmark`) vs the
-    examples/s our train step consumes (train rows/s x examples per packed row);
+  * input pipeline examples/s (span corruption + packing: the pipeline training reads,
+    timed by tools/data_benchmark.py) vs the examples/s our train step consumes
+    (train rows/s x examples per packed row);
   * train-step compile time (jax's trace + lowering + backend compile events) and peak
     resident memory (`ru_maxrss`, process-wide: jax, torch and tf.data together).
 
@@ -44,8 +45,9 @@ import numpy as np
 import seqio
 from absl import app, flags
 
-from t5x_lite import cli, data_benchmark, flops, gin_config, hf_interop, models, network
-from t5x_lite import optimizers, partitioning, throughput, trainer
+import data_benchmark  # tools/data_benchmark.py, beside this script
+from t5x_lite import cli, flops, gin_config, hf_interop, models, network, optimizers
+from t5x_lite import partitioning, throughput, trainer
 
 _COMPARE_HF = flags.DEFINE_bool("compare_hf", False, "Also measure HF transformers T5.")
 _JSON = flags.DEFINE_string("json", None, "Write all figures as a JSON object here.")
