@@ -3,6 +3,8 @@
 import dataclasses
 import functools
 import logging
+import os
+import sys
 
 import jax
 import numpy as np
@@ -238,3 +240,24 @@ def test_truncation_report_counts_untrimmed_lengths(caplog):
   assert "data_test_pairs: 2 of 8 examples (25.0%) have targets" in caplog.text
   sample = data.truncation_report(config, num_examples=5)["data_test_pairs"]["inputs"]
   assert (sample.num_examples, sample.num_truncated) == (5, 1)
+
+
+def test_data_benchmark_times_the_training_pipeline(monkeypatch):
+  sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "tools"))
+  import data_benchmark  # tools/data_benchmark.py
+
+  built, host_dataset = [], data.host_dataset
+
+  def recorded(config, **kwargs):
+    built.append((config, kwargs))
+    return host_dataset(config, **kwargs)
+
+  monkeypatch.setattr(data, "host_dataset", recorded)
+  lengths = {"inputs": 64, "targets": 64}
+  result = data_benchmark.measure_pipeline(TASK, lengths, batch_size=4, num_batches=3)
+  ((config, kwargs),) = built
+  assert kwargs == {"num_epochs": None}
+  assert (config.shuffle, config.pack, config.batch_size) == (True, True, 4)
+  # Examples of 17-23 bytes + EOS packed into rows of 64: several per row.
+  assert result["examples_per_s"] > result["rows_per_s"] > 0
+  assert 0.5 < result["input_fill"] <= 1 and 0.5 < result["target_fill"] <= 1
