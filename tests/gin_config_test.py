@@ -1,5 +1,6 @@
 """Tests of the gin flags and gin parsing shared by entry points and tools (t5x_lite.gin_config)."""
 
+import glob
 import os
 import subprocess
 import sys
@@ -95,6 +96,15 @@ def test_gin_shorthand_values_are_literals_references_or_strings():
   ]
   with pytest.raises(errors.ConfigError, match="Expected --gin.NAME=VALUE"):
     gin_config.rewrite_gin_args(["prog", "--gin.A"])
+
+
+def test_every_gin_file_of_the_repository_parses():
+  paths = sorted(glob.glob(os.path.join(REPO, "gin", "**", "*.gin"), recursive=True))
+  assert len(paths) >= 10
+  for path in paths:
+    gin.clear_config()
+    gin_config.parse_gin([path], [])
+  gin.clear_config()
 
 
 def test_parse_gin_flags_reads_files_bindings_and_extra_bindings():
