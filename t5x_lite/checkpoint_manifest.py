@@ -1,18 +1,13 @@
-"""Checkpoint files: user paths, the integrity manifest, skipping corrupt steps.
+"""The integrity manifest of checkpoint steps (files.json) and skipping corrupt steps.
 
-Paths: `absolute_path` makes a user's relative path absolute (orbax needs
-absolute paths; URLs such as gs:// are kept), `shown` names a path in messages
-as the user wrote it and as resolved, `not_a_directory` explains why a path
-cannot be used as an output directory.
-
-Integrity: orbax commits a step atomically but does not detect a file truncated
+Orbax commits a step atomically but does not detect a file truncated
 or corrupted afterwards (disk full, partial copy, bit rot); tensorstore then
 fails with messages that do not always name the file, or silently reads a stale
 duplicate. `write_file_manifest` records every file of a committed step in
 files.json; `verify_files` checks them before a restore and names the first bad
 file. `newest_intact` and `intact_steps` skip corrupt steps of a checkpoint
 root with a warning naming the bad file and leave them as they are (training
-moves them aside before it saves, see `checkpoints.TrainCheckpointer`).
+moves them aside before it saves, see `train_checkpointer.TrainCheckpointer`).
 """
 
 from __future__ import annotations
@@ -26,59 +21,11 @@ from typing import TypeVar
 from absl import logging
 from etils import epath
 
-from t5x_lite.errors import UserError
+from t5x_lite.errors import CorruptCheckpointError
 
 FILE_MANIFEST = "files.json"
 _CRC_CHUNK_BYTES = 1 << 24
 _T = TypeVar("_T")
-
-
-class CheckpointError(UserError, RuntimeError):
-  """Base class of the errors raised for unusable checkpoints."""
-
-
-class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
-  """No checkpoint (or no such step) at the path given."""
-
-
-class CorruptCheckpointError(CheckpointError):
-  """A checkpoint file is truncated, corrupt or missing."""
-
-
-def absolute_path(path: epath.PathLike) -> epath.Path:
-  """`path` made absolute against the working directory; URLs (gs://...) as given."""
-  text = os.fspath(path)
-  return epath.Path(text if "://" in text else os.path.abspath(text))
-
-
-def shown(given: epath.PathLike) -> str:
-  """How messages name a user's path: as given, and resolved when that differs."""
-  resolved = os.fspath(absolute_path(given))
-  return resolved if os.fspath(given) == resolved else f"{os.fspath(given)} ({resolved})"
-
-
-def not_a_directory(name: str, given: epath.PathLike) -> str | None:
-  """Why `given` cannot be (created as) directory `name`, or None if it can.
-
-  Args:
-    name: what the directory is, e.g. 'MODEL_DIR'.
-    given: the path as the user gave it.
-
-  Returns:
-    A message naming the path when it, or its nearest existing parent, is not a
-    directory; None otherwise (URLs are not checked).
-  """
-  path = absolute_path(given)
-  if "://" in os.fspath(path):
-    return None
-  existing = path
-  while not existing.exists() and existing.parent != existing:
-    existing = existing.parent
-  if existing.is_dir():
-    return None
-  if existing == path:
-    return f"{name} {shown(given)} is a file, not a directory"
-  return f"{name} {shown(given)} cannot be created: {existing} is a file, not a directory"
 
 
 def _crc32(path: epath.Path) -> int:

@@ -1,4 +1,12 @@
-"""Thin orbax layer: training checkpoints, fine-tuning restores, integrity checks.
+"""Checkpoints on disk: which steps a path holds, the model config they store, restores.
+
+The one owner of "which step, which stored config": `find_steps` turns a
+checkpoint root or step directory into verified step directories (newest, all,
+or one step), `model_config` reads the T5Config a step stores (gin bindings
+override it field by field), `restore_params` restores the params item into
+abstract params with shardings (`partitioning.Partitioner.abstract_params`).
+Training checkpoints are written and resumed by `train_checkpointer`;
+`write_params_checkpoint` writes the params-only layout of the HF converter.
 
 Layout (a checkpoint ROOT is an orbax `CheckpointManager` directory; relative
 paths are taken relative to the working directory):
@@ -25,10 +33,9 @@ shapes differ instead of a silent re-initialisation.
 
 from __future__ import annotations
 
-import dataclasses
 import os
-from collections.abc import Mapping
-from typing import Any, Protocol
+from collections.abc import Collection, Mapping
+from typing import Any
 
 import gin
 import jax
@@ -37,18 +44,20 @@ import orbax.checkpoint as ocp
 from absl import logging
 from etils import epath
 
+from t5x_lite import network
 from t5x_lite.checkpoint_manifest import (
-  CheckpointError,
-  CheckpointNotFoundError,
-  CorruptCheckpointError,
-  absolute_path,
+  intact_steps,
   newest_intact,
-  not_a_directory,
-  shown,
   verify_files,
   write_file_manifest,
 )
-from t5x_lite.errors import ConfigError
+from t5x_lite.errors import (
+  CheckpointError,
+  CheckpointNotFoundError,
+  ConfigError,
+  CorruptCheckpointError,
+)
+from t5x_lite.paths import absolute_path, not_a_directory, shown
 
 PARAMS = "params"
 OPT_STATE = "opt_state"
@@ -61,16 +70,6 @@ MODEL_CONFIG_KEY = "model_config"
 
 class CheckpointMismatchError(CheckpointError):
   """The checkpoint's tree does not match the model being restored into."""
-
-
-class CheckpointableIterator(Protocol):
-  """An input iterator whose position can be saved and restored per host."""
-
-  def save_state(self, path: str) -> None:
-    """Writes the iterator position to files starting with `path`."""
-
-  def restore_state(self, path: str) -> None:
-    """Moves the iterator to the position saved under `path`."""
 
 
 # ----------------------------------------------------------------------------
@@ -142,7 +141,7 @@ def is_step_dir(path: epath.PathLike) -> bool:
   return (absolute_path(path) / PARAMS).is_dir()
 
 
-def root_steps(root: epath.PathLike) -> list[int]:
+def _root_steps(root: epath.PathLike) -> list[int]:
   """The numbered step directories holding `params/` of a checkpoint root, ascending.
 
   Raises:
@@ -165,39 +164,110 @@ def root_steps(root: epath.PathLike) -> list[int]:
   return steps
 
 
-def resolve_step_dir(
-  path: epath.PathLike, step: int | None = None, *, verify_checksums: bool = True
-) -> epath.Path:
-  """Returns the verified, absolute step directory of a checkpoint root or step directory.
+def read_json_item(step_dir: epath.Path, item: str) -> dict[str, Any] | None:
+  """A JsonSave item of a step directory (`TRAIN_META`, `CONFIG`), or None when absent."""
+  if not (step_dir / item).is_dir():
+    return None
+  with ocp.Checkpointer(ocp.JsonCheckpointHandler()) as checkpointer:
+    return dict(checkpointer.restore(step_dir / item, args=ocp.args.JsonRestore()))
+
+
+def _step_of(step_dir: epath.Path) -> int:
+  """A step directory's step: its name when a number, else its `train_meta` step, else 0."""
+  if step_dir.name.isdigit():
+    return int(step_dir.name)
+  return int((read_json_item(step_dir, TRAIN_META) or {}).get("step", 0))
+
+
+def find_steps(
+  path: epath.PathLike,
+  *,
+  step: int | str = "newest",
+  exclude: Collection[int] = (),
+  verify_checksums: bool = True,
+) -> list[tuple[int, epath.Path]]:
+  """The intact (step, absolute step directory) pairs that `path` names, ascending.
+
+  Eval, infer, fine-tuning and the converters all find their checkpoint here.
 
   Args:
-    path: a checkpoint root (`<root>` with `<step>/` subdirectories) or one
-      step directory (containing `params/`).
-    step: step to pick from a root; None means the newest intact one: newer
-      corrupt steps are skipped with a warning naming the bad file.
-    verify_checksums: also compare CRC32s (sizes are always compared).
+    path: a checkpoint root (MODEL_DIR, numbered step directories) or one step
+      directory (holding `params/`), which is its one step whatever `step` says;
+      relative paths are relative to the working directory.
+    step: from a root, 'newest' (the newest intact step: newer corrupt ones are
+      skipped with a warning naming the bad file), 'all' (every intact step,
+      corrupt ones skipped likewise) or one step number.
+    exclude: steps to leave out before anything is verified (e.g. steps already
+      evaluated); the result is empty when every step is excluded.
+    verify_checksums: compare CRC32s from files.json (sizes are always compared).
 
   Raises:
-    CheckpointNotFoundError: if no checkpoint or no such step is found.
-    CorruptCheckpointError: if the step directory given, the step asked for,
-      or every step of the root is corrupt.
+    CheckpointNotFoundError: `path` holds no checkpoint, or not the step asked for.
+    CorruptCheckpointError: the step directory given, the step asked for, or every
+      candidate step of the root, is corrupt (naming each bad file).
   """
-  directory = absolute_path(path)
-  if is_step_dir(directory):
-    verify_files(directory, checksums=verify_checksums)
-    return directory
-  steps = root_steps(path)
-  if step is None:
-    step, _ = newest_intact(
-      directory,
-      steps,
-      lambda s: verify_files(directory / str(s), checksums=verify_checksums),
-    )
-  elif step not in steps:
-    raise CheckpointNotFoundError(f"Step {step} not in {shown(path)} (have {steps})")
-  else:
-    verify_files(directory / str(step), checksums=verify_checksums)
-  return directory / str(step)
+  root = absolute_path(path)
+
+  def verified(number: int, step_dir: epath.Path) -> list[tuple[int, epath.Path]]:
+    verify_files(step_dir, checksums=verify_checksums)
+    return [(number, step_dir)]
+
+  if is_step_dir(root):
+    number = _step_of(root)
+    return [] if number in exclude else verified(number, root)
+  steps = _root_steps(path)
+  candidates = [s for s in steps if s not in exclude]
+  if isinstance(step, int):
+    if step not in steps:
+      raise CheckpointNotFoundError(f"Step {step} not in {shown(path)} (have {steps})")
+    return [] if step in exclude else verified(step, root / str(step))
+  if not candidates:
+    return []
+  if step == "all":
+    pairs = [(s, root / str(s)) for s in candidates]
+    return intact_steps(root, pairs, checksums=verify_checksums)
+  if step != "newest":
+    raise ValueError(f"step must be 'newest', 'all' or a step number, got {step!r}")
+  newest, _ = newest_intact(
+    root, candidates, lambda s: verify_files(root / str(s), checksums=verify_checksums)
+  )
+  return [(newest, root / str(newest))]
+
+
+def stored_config_fields(step_dir: epath.Path) -> dict[str, Any] | None:
+  """The T5Config fields a step stores, or None.
+
+  Training checkpoints keep them in `train_meta` (`MODEL_CONFIG_KEY`), HF
+  conversions in the `config` item; a step has one or the other, and `train_meta`
+  is read first.
+  """
+  meta = read_json_item(step_dir, TRAIN_META) or {}
+  return meta.get(MODEL_CONFIG_KEY) or read_json_item(step_dir, CONFIG)
+
+
+def model_config(step_dir: epath.Path) -> network.T5Config:
+  """The step's stored T5Config, overridden field by field by `T5Config.*` gin bindings.
+
+  So `--gin_file=models/...` or `--gin.T5Config.dropout_rate=0` still apply, and a
+  checkpoint that stores no config is used with the model's gin file.
+
+  Raises:
+    ConfigError: when neither the checkpoint nor gin defines every field.
+  """
+  stored = stored_config_fields(step_dir) or {}
+  bound = gin.get_bindings(network.T5Config)
+  fields = {k: tuple(v) if isinstance(v, list) else v for k, v in stored.items() if k not in bound}
+  try:
+    config = network.T5Config(**fields)  # gin supplies the bound fields
+  except TypeError as e:
+    raise ConfigError(
+      f"{step_dir} stores no complete model config ({e}); pass the model's gin file, "
+      "e.g. --gin_file=models/t5_1_1/small.gin."
+    ) from e
+  logging.info(
+    "Model config (checkpoint %s, gin overrides %s): %s", step_dir, sorted(bound), config
+  )
+  return config
 
 
 def _cast_abstract(target: Any, dtype: str | None) -> Any:
@@ -221,7 +291,7 @@ def _saved_shapes(item_dir: epath.Path) -> dict[str, tuple[int, ...]]:
     raise CorruptCheckpointError(f"Cannot read metadata of {item_dir}: {e}") from e
 
 
-def _restore_item(item_dir: epath.Path, target: Any, what: str) -> Any:
+def restore_item(item_dir: epath.Path, target: Any, what: str) -> Any:
   """Validates an item's tree against `target` and restores it into it."""
   check_tree_matches(
     _saved_shapes(item_dir),
@@ -252,7 +322,7 @@ def restore_params(
     target: abstract params tree (`jax.ShapeDtypeStruct` with shardings),
       plain (unboxed) and without a 'params' wrapper.
     step: step to restore from a root; None means the newest intact one
-      (`resolve_step_dir`).
+      (`find_steps`).
     dtype: optional dtype every parameter is cast to on restore; by default
       each parameter gets the dtype of its `target` leaf.
     verify_checksums: compare CRC32s from files.json before restoring.
@@ -265,9 +335,11 @@ def restore_params(
     CheckpointMismatchError: listing missing/unexpected/reshaped parameters.
     CorruptCheckpointError: naming a damaged file.
   """
-  step_dir = resolve_step_dir(path, step, verify_checksums=verify_checksums)
+  [(_, step_dir)] = find_steps(
+    path, step="newest" if step is None else step, verify_checksums=verify_checksums
+  )
   logging.info("Restoring params from %s", step_dir)
-  return _restore_item(step_dir / PARAMS, _cast_abstract(target, dtype), PARAMS)
+  return restore_item(step_dir / PARAMS, _cast_abstract(target, dtype), PARAMS)
 
 
 def write_params_checkpoint(
@@ -310,287 +382,3 @@ def write_params_checkpoint(
   if jax.process_index() == 0:
     write_file_manifest(step_dir)
   return step_dir
-
-
-# ----------------------------------------------------------------------------
-# The data-iterator item.
-
-
-class _IteratorHandler(ocp.CheckpointHandler):
-  """Saves/restores a `CheckpointableIterator`, one file set per host."""
-
-  def _path(self, directory: epath.Path) -> str:
-    name = f"process_{jax.process_index()}-of-{jax.process_count()}"
-    return os.fspath(directory / name)
-
-  def save(self, directory: epath.Path, args: IteratorSave) -> None:
-    """Writes this host's iterator state under `directory`."""
-    args.iterator.save_state(self._path(directory))
-
-  def restore(self, directory: epath.Path, args: IteratorRestore) -> Any:
-    """Moves `args.iterator` to this host's saved position; returns it."""
-    path = self._path(directory)
-    if not any(directory.glob(os.path.basename(path) + "*")):
-      raise CheckpointError(
-        f"No data-iterator state for this host at {path}; was the checkpoint "
-        "written with a different number of processes?"
-      )
-    args.iterator.restore_state(path)
-    return args.iterator
-
-  def metadata(self, directory: epath.Path) -> None:
-    """No metadata: the state files are opaque."""
-    return None
-
-  def finalize(self, directory: epath.Path) -> None:
-    """Nothing to finalize: every host wrote complete files in `save`."""
-    return None
-
-  def close(self) -> None:
-    """No resources held."""
-    return None
-
-
-@ocp.args.register_with_handler(_IteratorHandler, for_save=True)
-@dataclasses.dataclass
-class IteratorSave(ocp.args.CheckpointArgs):
-  """Save args for the data-iterator item."""
-
-  iterator: CheckpointableIterator
-
-
-@ocp.args.register_with_handler(_IteratorHandler, for_restore=True)
-@dataclasses.dataclass
-class IteratorRestore(ocp.args.CheckpointArgs):
-  """Restore args for the data-iterator item."""
-
-  iterator: CheckpointableIterator
-
-
-# ----------------------------------------------------------------------------
-# Training checkpoints.
-
-
-@dataclasses.dataclass(frozen=True)
-class Restored:
-  """What a training restore returns."""
-
-  step: int
-  params: Any
-  opt_state: Any
-  meta: dict[str, Any]
-
-
-@gin.configurable
-class TrainCheckpointer:
-  """Periodic, asynchronous training checkpoints under MODEL_DIR.
-
-  Orbax writes steps asynchronously (the device->host copy blocks, the file
-  writes do not), keeps the latest `keep`, and commits each step atomically,
-  so a `kill -9` loses at most the steps since the last committed save.
-
-  Corrupt steps: `restore_latest` falls back past corrupt newer steps to the
-  newest intact one, leaving them as they are. Training then redoes their
-  steps, so before its first save the corrupt steps are moved aside to
-  `<step>.corrupt` (files unchanged, with a warning naming both paths): the
-  redone steps are saved under their own numbers, orbax sees a consistent
-  history and never rotates out an intact step in favour of a corrupt one.
-  """
-
-  def __init__(
-    self,
-    directory: epath.PathLike,
-    *,
-    save_period: int = 1000,
-    keep: int | None = 3,
-    async_save: bool = True,
-    verify_checksums: bool = True,
-  ):
-    """Opens (and creates) the checkpoint root.
-
-    Args:
-      directory: checkpoint root, usually MODEL_DIR; relative paths are
-        relative to the working directory.
-      save_period: save every this many steps (plus a final save).
-      keep: number of most recent steps to keep; None keeps all.
-      async_save: write files in a background thread.
-      verify_checksums: compare CRC32s of every file before restoring
-        (sizes are always compared).
-
-    Raises:
-      CheckpointError: if MODEL_DIR or a parent of it is a file.
-    """
-    if save_period <= 0:
-      raise ConfigError(f"TrainCheckpointer.save_period must be positive, got {save_period}")
-    if problem := not_a_directory("MODEL_DIR", directory):
-      raise CheckpointError(problem)
-    self.directory = absolute_path(directory)
-    self.save_period = save_period
-    self._verify_checksums = verify_checksums
-    options = ocp.CheckpointManagerOptions(
-      preservation_policy=ocp.checkpoint_managers.LatestN(keep),
-      enable_async_checkpointing=async_save,
-      cleanup_tmp_directories=True,
-    )
-    registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
-    for item in (PARAMS, OPT_STATE):
-      registry.add(item, ocp.args.StandardSave, ocp.StandardCheckpointHandler)
-      registry.add(item, ocp.args.StandardRestore, ocp.StandardCheckpointHandler)
-    registry.add(TRAIN_META, ocp.args.JsonSave, ocp.JsonCheckpointHandler)
-    registry.add(TRAIN_META, ocp.args.JsonRestore, ocp.JsonCheckpointHandler)
-    registry.add(DATA_ITERATOR, IteratorSave, _IteratorHandler)
-    registry.add(DATA_ITERATOR, IteratorRestore, _IteratorHandler)
-    self._manager = ocp.CheckpointManager(
-      self.directory, options=options, handler_registry=registry
-    )
-    self._unmanifested: int | None = None
-    self._corrupt: list[int] = []  # found by `restore_latest`, not yet moved aside
-
-  def latest_step(self) -> int | None:
-    """The newest committed step not found corrupt by `restore_latest`, or None."""
-    steps = [s for s in self._manager.all_steps() if s not in self._corrupt]
-    return max(steps, default=None)
-
-  def all_steps(self) -> list[int]:
-    """All committed steps, ascending."""
-    return sorted(self._manager.all_steps())
-
-  def should_save(self, step: int) -> bool:
-    """Whether `step` is a periodic save step."""
-    return step % self.save_period == 0
-
-  def save(
-    self,
-    step: int,
-    params: Any,
-    opt_state: Any,
-    meta: Mapping[str, Any],
-    iterator: CheckpointableIterator | None = None,
-  ) -> bool:
-    """Starts saving one step; returns False if the step already exists.
-
-    Args:
-      step: the number of completed training steps.
-      params: plain params tree.
-      opt_state: optax state.
-      meta: JSON-serialisable dict (rng, data position, config, ...);
-        `step` is added.
-      iterator: the training input iterator, saved per host.
-    """
-    if self._corrupt:
-      self._set_aside_corrupt()
-    if step in self._manager.all_steps():
-      return False
-    self._finish_pending()
-    items = {
-      PARAMS: ocp.args.StandardSave(params),
-      OPT_STATE: ocp.args.StandardSave(opt_state),
-      TRAIN_META: ocp.args.JsonSave({**meta, "step": step}),
-    }
-    if iterator is not None:
-      items[DATA_ITERATOR] = IteratorSave(iterator)
-    self._manager.save(step, args=ocp.args.Composite(**items), force=True)
-    self._unmanifested = step
-    return True
-
-  def restore(
-    self,
-    step: int,
-    abstract_params: Any,
-    abstract_opt_state: Any,
-    iterator: CheckpointableIterator | None = None,
-  ) -> Restored:
-    """Restores a training step into the shardings of the abstract trees.
-
-    Args:
-      step: committed step to restore.
-      abstract_params: params tree of `jax.ShapeDtypeStruct` with shardings.
-      abstract_opt_state: optax state tree of the same kind.
-      iterator: the input iterator to move to the saved position.
-
-    Raises:
-      CheckpointMismatchError: the step holds a different model/optimizer.
-      CorruptCheckpointError: naming a damaged file.
-    """
-    step_dir = self.directory / str(step)
-    verify_files(step_dir, checksums=self._verify_checksums)
-    params = _restore_item(step_dir / PARAMS, abstract_params, PARAMS)
-    opt_state = _restore_item(step_dir / OPT_STATE, abstract_opt_state, OPT_STATE)
-    items = {TRAIN_META: ocp.args.JsonRestore()}
-    if iterator is not None:
-      items[DATA_ITERATOR] = IteratorRestore(iterator)
-    try:
-      restored = self._manager.restore(step, args=ocp.args.Composite(**items))
-    except CheckpointError:
-      raise
-    except Exception as e:  # JSON / tf.data errors: name the step directory
-      raise CheckpointError(f"Cannot restore {step_dir}: {e}") from e
-    logging.info("Restored training checkpoint %s", step_dir)
-    return Restored(step=step, params=params, opt_state=opt_state, meta=dict(restored[TRAIN_META]))
-
-  def restore_latest(
-    self,
-    abstract_params: Any,
-    abstract_opt_state: Any,
-    iterator: CheckpointableIterator | None = None,
-  ) -> Restored | None:
-    """Restores the newest intact step (see `restore`); None without any step.
-
-    A step that fails verification (or whose restore raises
-    `CorruptCheckpointError`) is skipped for the next older one, with a
-    warning naming the bad step, its file and the step used instead; the
-    skipped steps are moved aside before the next `save` (see the class).
-
-    Raises:
-      CheckpointMismatchError: the newest intact step holds a different model.
-      CorruptCheckpointError: every step is corrupt, naming each bad file.
-    """
-    steps = self.all_steps()
-    if not steps:
-      return None
-    step, restored = newest_intact(
-      self.directory,
-      steps,
-      lambda s: self.restore(s, abstract_params, abstract_opt_state, iterator),
-    )
-    self._corrupt = [s for s in steps if s > step]
-    return restored
-
-  def _set_aside_corrupt(self) -> None:
-    """Moves the corrupt steps found by `restore_latest` to `<step>.corrupt`."""
-    if jax.process_index() == 0:
-      for step in self._corrupt:
-        source = self.directory / str(step)
-        target = self.directory / f"{step}.corrupt"
-        n = 1
-        while target.exists():  # a step corrupted again after an earlier move
-          n += 1
-          target = self.directory / f"{step}.corrupt.{n}"
-        source.rename(target)
-        logging.warning(
-          "Moved corrupt checkpoint step %s to %s (files unchanged) before saving the "
-          "steps training redoes; delete it once inspected.",
-          source,
-          target,
-        )
-    ocp.multihost.sync_global_processes("t5x_lite_set_aside_corrupt_steps")
-    self._manager.reload()
-    self._corrupt = []
-
-  def _finish_pending(self) -> None:
-    """Waits for the running save and writes its files.json."""
-    self._manager.wait_until_finished()
-    step, self._unmanifested = self._unmanifested, None
-    if step is None or jax.process_index() != 0:
-      return
-    if (self.directory / str(step)).is_dir():  # else: already rotated out
-      write_file_manifest(self.directory / str(step))
-
-  def wait(self) -> None:
-    """Blocks until every started save is committed and verified-writable."""
-    self._finish_pending()
-
-  def close(self) -> None:
-    """Finishes pending saves and releases orbax resources."""
-    self._finish_pending()
-    self._manager.close()

@@ -149,7 +149,7 @@ def gin_entry_point(run: Callable[[], object]) -> Callable[[Sequence[str]], None
 
   Args:
     run: the library call that does the work once gin is parsed, e.g.
-      `lambda: eval_lib.evaluate_checkpoints(train_lib.build_model)`.
+      `eval_lib.evaluate_checkpoints` (every argument bound in gin).
 
   Returns:
     `main(argv)` for `cli.run`.

@@ -422,7 +422,7 @@ def to_global(local: Mapping[str, np.ndarray], sharding: Sharding) -> Batch:
 class TrainIterator:
   """Endless training batches whose position is saved with checkpoints.
 
-  Implements `checkpoints.CheckpointableIterator`.
+  Implements `train_checkpointer.CheckpointableIterator`.
   """
 
   def __init__(

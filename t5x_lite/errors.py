@@ -23,6 +23,18 @@ class ConfigError(UserError, ValueError):
   """A gin file, binding or flag is wrong or missing."""
 
 
+class CheckpointError(UserError, RuntimeError):
+  """Base class of the errors raised for unusable checkpoints."""
+
+
+class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
+  """No checkpoint (or no such step) at the path given."""
+
+
+class CorruptCheckpointError(CheckpointError):
+  """A checkpoint file is truncated, corrupt or missing."""
+
+
 def fail(message: str) -> NoReturn:
   """Prints `ERROR: message` on stderr and exits with status 1.
 

@@ -14,21 +14,10 @@ Flags are those of `t5x_lite.cli` (shared with train and infer); the run is
 
 from t5x_lite import console  # noqa: F401  (first: quiets TensorFlow and JAX start-up)
 
-from collections.abc import Sequence
-
-from absl import app
-
 import tasks  # noqa: F401  (registers seqio tasks and mixtures)
-from t5x_lite import cli, eval_lib, train_lib
+from t5x_lite import cli, eval_lib
 
-
-def main(argv: Sequence[str]) -> None:
-  """Parses gin and evaluates; expected failures: one ERROR line (`cli.run`)."""
-  if len(argv) > 1:
-    raise app.UsageError(f"Unexpected arguments: {' '.join(argv[1:])}")
-  cli.setup()
-  eval_lib.evaluate_checkpoints(train_lib.build_model)
-
+main = cli.gin_entry_point(eval_lib.evaluate_checkpoints)
 
 if __name__ == "__main__":
   cli.run(main)

@@ -3,8 +3,10 @@
 `TaskEvaluator` runs `seqio.Evaluator` over a task or mixture split: prediction
 metrics (`ModelRunner.predict` -> decode with the output vocabulary -> the task's
 postprocessor -> metric fns) and scoring metrics (`ModelRunner.score`). A task with
-no metric fns gets a loss-only evaluation (mean negative log-likelihood per target
-token, `loss`) and a logged note; seqio itself would skip it.
+no metric fns gets a loss-only evaluation (`nll_per_token`: mean negative
+log-likelihood per target token, without the z-loss and label smoothing that the
+training loop's teacher-forced `loss` includes) and a logged note; seqio itself
+would skip it.
 
 `evaluate_checkpoints` evaluates one checkpoint step or every step of a MODEL_DIR
 and writes, under EVAL_OUTPUT_DIR:
@@ -34,6 +36,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -47,9 +50,9 @@ import tensorflow as tf
 import tqdm
 from absl import logging
 
-from t5x_lite import checkpoints, data, model_runner, models, network, partitioning
-from t5x_lite.checkpoint_manifest import absolute_path, intact_steps, not_a_directory, verify_files
+from t5x_lite import checkpoints, data, model_runner, models, partitioning
 from t5x_lite.errors import ConfigError
+from t5x_lite.paths import absolute_path, not_a_directory
 
 PyTree = Any
 Metrics = dict[str, dict[str, float]]
@@ -237,7 +240,7 @@ class TaskEvaluator:
       examples += len(features["decoder_target_tokens"])
     if tokens == 0:
       raise ConfigError(f"Task {task.name} has no target tokens in split {self.cfg.split}.")
-    return {"loss": total / tokens, "num_examples": float(examples)}
+    return {"nll_per_token": total / tokens, "num_examples": float(examples)}
 
   def evaluate(self, params: PyTree, step: int) -> Metrics:
     """Evaluates `params`; returns {task: {metric: value}} and calls the loggers."""
@@ -286,16 +289,16 @@ def _run_description(
   return json.loads(json.dumps(run))
 
 
-def _pending_steps(
-  steps: Sequence[tuple[int, Any]], output_dir: str, run: Mapping[str, Any]
-) -> list[tuple[int, Any]]:
-  """Steps without a metrics file; raises if a file was written by a different run."""
-  pending = []
-  for step, step_dir in steps:
-    path = os.path.join(output_dir, STEP_FILE.format(step=step))
-    if not os.path.exists(path):
-      pending.append((step, step_dir))
+def _evaluated_steps(output_dir: str, run: Mapping[str, Any]) -> list[int]:
+  """Steps with a metrics file in `output_dir`; raises if one was written by another run."""
+  if not os.path.isdir(output_dir):
+    return []
+  pattern = re.compile(STEP_FILE.format(step=r"(\d+)").replace(".", r"\.") + "$")
+  steps = []
+  for name in sorted(os.listdir(output_dir)):
+    if not (match := pattern.match(name)):
       continue
+    path = os.path.join(output_dir, name)
     with open(path, encoding="utf-8") as f:
       previous = json.load(f).get("run")
     if previous != run:
@@ -306,8 +309,9 @@ def _pending_steps(
         f"{path} was written by a different evaluation (differs in "
         f"{changed}); use another EVAL_OUTPUT_DIR."
       )
-    logging.info("Step %d already evaluated (%s); skipping.", step, path)
-  return pending
+    steps.append(int(match.group(1)))
+    logging.info("Step %s already evaluated (%s); skipping.", match.group(1), path)
+  return sorted(steps)
 
 
 def _write_step(
@@ -333,9 +337,8 @@ def _write_step(
   return path
 
 
-@gin.configurable(denylist=["build_model"])
+@gin.configurable
 def evaluate_checkpoints(
-  build_model: Callable[[network.T5Config], models.EncoderDecoderModel],
   *,
   checkpoint_path: str = gin.REQUIRED,
   output_dir: str = gin.REQUIRED,
@@ -345,15 +348,19 @@ def evaluate_checkpoints(
 ) -> dict[int, Metrics]:
   """Evaluates every not yet evaluated checkpoint step (see the module docstring).
 
+  The model is `models.build_model` of the newest step's stored config, overridden
+  by `T5Config.*` gin bindings (`checkpoints.model_config`); the mesh is the
+  gin-configured `partitioning.Partitioner`.
+
   Args:
-    build_model: T5Config -> model (the entry point passes `train_lib.build_model`);
-      the config is the checkpoint's, overridden by `T5Config.*` gin bindings.
     checkpoint_path: one step directory, or a checkpoint root (MODEL_DIR): all its
       intact steps.
     output_dir: EVAL_OUTPUT_DIR.
     dataset_cfg: task/mixture, split, task_feature_lengths, batch_size, seed.
     decode: decoding options for prediction metrics.
     num_examples: at most this many examples per task (None: the whole split).
+
+  Every argument is bound in gin/runs/eval.gin.
 
   Returns:
     {step: {task: {metric: value}}} of the steps evaluated by this call.
@@ -367,26 +374,22 @@ def evaluate_checkpoints(
   if problem := not_a_directory("EVAL_OUTPUT_DIR", output_dir):
     raise ConfigError(problem)
   output_dir = os.fspath(absolute_path(output_dir))
-  steps = model_runner.checkpoint_steps(checkpoint_path)
   run = _run_description(dataset_cfg, num_examples, decode)
-  pending = _pending_steps(steps, output_dir, run)
+  done = _evaluated_steps(output_dir, run)
+  pending = checkpoints.find_steps(checkpoint_path, step="all", exclude=done)
   if not pending:
     logging.info(
-      "All %d checkpoint steps of %s are already evaluated in %s.",
-      len(steps),
+      "Every checkpoint step of %s is already evaluated in %s (steps %s).",
       checkpoint_path,
       output_dir,
+      done,
     )
     return {}
-  if checkpoints.is_step_dir(checkpoint_path):
-    verify_files(pending[0][1])
-  else:
-    pending = intact_steps(absolute_path(checkpoint_path), pending)
   os.makedirs(output_dir, exist_ok=True)
-  model = build_model(model_runner.network_config(pending[-1][1]))
-  mesh, rules = model_runner.mesh_and_rules()
-  abstract, shardings = model_runner.abstract_params(model, mesh, rules)
-  runner = model_runner.ModelRunner(model, mesh, rules, shardings, decode, dataset_cfg.batch_size)
+  model = models.build_model(checkpoints.model_config(pending[-1][1]))
+  partitioner = partitioning.Partitioner()
+  abstract, shardings = partitioner.abstract_params(model.init_params)
+  runner = model_runner.ModelRunner(model, partitioner, shardings, decode, dataset_cfg.batch_size)
   loggers = (seqio.TensorBoardLogger, PredictionsJsonlLogger)
   evaluator = TaskEvaluator(
     runner,
@@ -400,7 +403,7 @@ def evaluate_checkpoints(
     start = time.perf_counter()
     params = checkpoints.restore_params(
       step_dir, abstract, verify_checksums=False
-    )  # verified above
+    )  # find_steps verified it
     evaluated[step] = evaluator.evaluate(params, step)
     if jax.process_index() == 0:
       path = _write_step(
@@ -414,12 +417,11 @@ def evaluate_checkpoints(
 
 
 @gin.configurable(
-  denylist=["model", "mesh", "rules", "param_shardings", "eval_dataset_cfg", "model_dir"]
+  denylist=["model", "partitioner", "param_shardings", "eval_dataset_cfg", "model_dir"]
 )
 def training_evaluator(
   model: models.EncoderDecoderModel,
-  mesh: jax.sharding.Mesh,
-  rules: partitioning.LogicalRules,
+  partitioner: partitioning.Partitioner,
   param_shardings: PyTree,
   eval_dataset_cfg: data.DatasetConfig | None,
   model_dir: str,
@@ -432,8 +434,7 @@ def training_evaluator(
 
   Args:
     model: the model being trained.
-    mesh: the training mesh.
-    rules: logical-axis rules.
+    partitioner: the training mesh and rules.
     param_shardings: shardings of the training state's params.
     eval_dataset_cfg: the loop's eval data (the mixture's validation split); used
       unshuffled and unpacked unless `dataset_cfg` is given.
@@ -454,7 +455,7 @@ def training_evaluator(
     )
   cfg = dataset_cfg or dataclasses.replace(eval_dataset_cfg, shuffle=False, pack=False)
   runner = model_runner.ModelRunner(
-    model, mesh, rules, param_shardings, decode or model_runner.DecodeConfig(), cfg.batch_size
+    model, partitioner, param_shardings, decode or model_runner.DecodeConfig(), cfg.batch_size
   )
   evaluator = TaskEvaluator(
     runner,

@@ -28,12 +28,12 @@ import numpy as np
 import safetensors
 import safetensors.numpy
 
-from t5x_lite.checkpoint_manifest import (
+from t5x_lite.errors import (
   CheckpointError,
   CheckpointNotFoundError,
+  ConfigError,
   CorruptCheckpointError,
 )
-from t5x_lite.errors import ConfigError
 from t5x_lite.network import T5Config
 
 CONFIG_NAME = "config.json"

@@ -14,21 +14,10 @@ Flags are those of `t5x_lite.cli` (shared with train and eval); the run is
 
 from t5x_lite import console  # noqa: F401  (first: quiets TensorFlow and JAX start-up)
 
-from collections.abc import Sequence
-
-from absl import app
-
 import tasks  # noqa: F401  (registers seqio tasks and mixtures)
-from t5x_lite import infer_lib, cli, train_lib
+from t5x_lite import cli, infer_lib
 
-
-def main(argv: Sequence[str]) -> None:
-  """Parses gin and runs inference; expected failures: one ERROR line (`cli.run`)."""
-  if len(argv) > 1:
-    raise app.UsageError(f"Unexpected arguments: {' '.join(argv[1:])}")
-  cli.setup()
-  infer_lib.infer(train_lib.build_model)
-
+main = cli.gin_entry_point(infer_lib.infer)
 
 if __name__ == "__main__":
   cli.run(main)

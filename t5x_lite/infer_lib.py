@@ -34,7 +34,7 @@ import json
 import os
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import gin
@@ -44,8 +44,8 @@ import seqio
 import tqdm
 from absl import logging
 
-from t5x_lite import checkpoints, data, file_sources, model_runner, models, network
-from t5x_lite.checkpoint_manifest import not_a_directory, shown
+from t5x_lite import checkpoints, data, file_sources, model_runner, models, partitioning
+from t5x_lite.paths import not_a_directory, shown
 from t5x_lite.errors import ConfigError
 
 MODES = ("predict", "score")
@@ -304,9 +304,8 @@ def _check_inputs(examples: Sequence[Example], mode: str, source: str) -> None:
     )
 
 
-@gin.configurable(denylist=["build_model"])
+@gin.configurable
 def infer(
-  build_model: Callable[[network.T5Config], models.EncoderDecoderModel],
   *,
   checkpoint_path: str = gin.REQUIRED,
   output_file: str = gin.REQUIRED,
@@ -321,7 +320,6 @@ def infer(
   """Decodes or scores every input and appends the missing output lines.
 
   Args:
-    build_model: T5Config -> model (the entry point passes `train_lib.build_model`).
     checkpoint_path: a step directory or a checkpoint root (its newest intact step is
       used).
     output_file: the JSONL output (see the module docstring).
@@ -333,7 +331,10 @@ def infer(
     mode: 'predict' or 'score'.
     decode: decoding options.
 
-  Every argument but `build_model` is bound in gin/runs/infer.gin.
+  Every argument is bound in gin/runs/infer.gin. The model is `models.build_model`
+  of the step's stored config, overridden by `T5Config.*` gin bindings
+  (`checkpoints.model_config`); the mesh is the gin-configured
+  `partitioning.Partitioner`.
 
   Returns:
     {'examples': new lines written, 'examples_per_sec', 'tokens_per_sec'}.
@@ -345,9 +346,8 @@ def infer(
   if (input_file is None) == (mixture_or_task_name is None):
     raise ConfigError("Set exactly one of INPUT_FILE and MIXTURE_OR_TASK_NAME.")
   _check_output_file(output_file)
-  step_dir = checkpoints.resolve_step_dir(checkpoint_path)  # verified
-  step = model_runner.step_number(step_dir)
-  model = build_model(model_runner.network_config(step_dir))
+  [(step, step_dir)] = checkpoints.find_steps(checkpoint_path)  # verified
+  model = models.build_model(checkpoints.model_config(step_dir))
   if input_file is not None:
     examples, source = file_examples(input_file, model, task_feature_lengths), input_file
   else:
@@ -383,10 +383,10 @@ def _run(
   decode: model_runner.DecodeConfig,
 ) -> dict[str, float]:
   """Restores params and writes the missing lines with a progress bar."""
-  mesh, rules = model_runner.mesh_and_rules()
-  abstract, shardings = model_runner.abstract_params(model, mesh, rules)
+  partitioner = partitioning.Partitioner()
+  abstract, shardings = partitioner.abstract_params(model.init_params)
   params = checkpoints.restore_params(step_dir, abstract, verify_checksums=False)  # verified
-  runner = model_runner.ModelRunner(model, mesh, rules, shardings, decode, batch_size)
+  runner = model_runner.ModelRunner(model, partitioner, shardings, decode, batch_size)
   todo = examples[output.done :]
   generated, start = 0, time.perf_counter()
   with tqdm.tqdm(

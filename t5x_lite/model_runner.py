@@ -1,20 +1,15 @@
-"""Running a restored model on batches: decoding options, checkpoints, jitted predict/score.
+"""Running a model on numpy batches: decoding options and jitted predict / score.
 
-Shared by `python -m t5x_lite.eval`, `python -m t5x_lite.infer` and the
+Shared by `python -m t5x_lite.eval`, `python -m t5x_lite.infer` and the seqio
 evaluation inside the training loop:
 
 * `DecodeConfig`: greedy / beam / sampling options (gin: `DecodeConfig.*`).
-* `mesh_and_rules`: the device mesh (gin: `mesh_and_rules.num_partitions`, `.fsdp`).
-* `checkpoint_steps`: a checkpoint step directory or a checkpoint root
-  (MODEL_DIR) -> its (step, absolute directory) pairs; `step_number` of one.
-* `network_config`: the T5Config stored with a checkpoint (training writes it to
-  `train_meta`, the HF converter to `config`), with every `T5Config.*` gin
-  binding taking precedence, so `--gin_file=models/...` still overrides it.
-* `abstract_params`: the restore target of `checkpoints.restore_params`, so params
-  are restored straight into their mesh shardings.
-* `ModelRunner`: predict / score numpy batches with one jitted function each,
-  params sharded by their logical axes, batches over the mesh's 'data' axis,
-  outputs replicated (so every host can read them).
+* `ModelRunner`: predict / score numpy batches with one jitted function each
+  (`partitioning.Partitioner.jit`), params sharded by their logical axes, batches
+  over the mesh's 'data' axis, outputs replicated (so every host can read them).
+
+Which checkpoint step and which model config are `t5x_lite.checkpoints`' concern;
+the mesh (gin: `Partitioner.num_partitions`, `.fsdp`) is the partitioner's.
 """
 
 from __future__ import annotations
@@ -23,17 +18,11 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-import flax.linen as nn
 import gin
 import jax
 import numpy as np
-import orbax.checkpoint as ocp
-from absl import logging
-from etils import epath
-from jax.sharding import NamedSharding, PartitionSpec
 
-from t5x_lite import checkpoints, models, network, partitioning
-from t5x_lite.checkpoint_manifest import absolute_path
+from t5x_lite import models, partitioning
 from t5x_lite.errors import ConfigError
 
 PyTree = Any
@@ -95,99 +84,6 @@ class DecodeConfig:
     return {"decode_fn": self.decode_fn, "num_decodes": num_decodes, "decoder_params": params}
 
 
-@gin.configurable
-def mesh_and_rules(
-  num_partitions: int = 1, fsdp: bool = False
-) -> tuple[jax.sharding.Mesh, partitioning.LogicalRules]:
-  """The mesh and logical-axis rules of eval / infer (gin: `mesh_and_rules.*`).
-
-  Args:
-    num_partitions: model-parallel size; the data axis takes the other devices.
-    fsdp: also shard parameters' embed axis over 'data'.
-  """
-  return (
-    partitioning.create_mesh(num_partitions=num_partitions),
-    partitioning.standard_logical_axis_rules(fsdp=fsdp),
-  )
-
-
-# ------------------------------------------------------------------ checkpoints
-
-
-def checkpoint_steps(path: epath.PathLike) -> list[tuple[int, epath.Path]]:
-  """(step, step directory) pairs of a checkpoint root or one step directory, ascending.
-
-  A step directory is one holding `params/` (`step_number` gives its step).
-  Relative paths are relative to the working directory; the directories
-  returned are absolute.
-
-  Raises:
-    CheckpointNotFoundError: naming `path` when it does not exist or holds no checkpoint.
-  """
-  root = absolute_path(path)
-  if checkpoints.is_step_dir(root):
-    return [(step_number(root), root)]
-  return [(step, root / str(step)) for step in checkpoints.root_steps(path)]
-
-
-def step_number(step_dir: epath.Path) -> int:
-  """The step of a step directory: its name when that is a number, else the step
-  recorded in its `train_meta`, else 0."""
-  if step_dir.name.isdigit():
-    return int(step_dir.name)
-  meta = _json_item(step_dir, checkpoints.TRAIN_META) or {}
-  return int(meta.get("step", 0))
-
-
-def _json_item(step_dir: epath.Path, item: str) -> dict[str, Any] | None:
-  """A JsonSave item of a step directory, or None when absent."""
-  if not (step_dir / item).is_dir():
-    return None
-  with ocp.Checkpointer(ocp.JsonCheckpointHandler()) as checkpointer:
-    return dict(checkpointer.restore(step_dir / item))
-
-
-def network_config(step_dir: epath.Path) -> network.T5Config:
-  """The checkpoint's T5Config, overridden field by field by `T5Config.*` gin bindings.
-
-  Raises:
-    ConfigError: when neither the checkpoint nor gin defines every field.
-  """
-  meta = _json_item(step_dir, checkpoints.TRAIN_META) or {}
-  stored = meta.get("model_config") or _json_item(step_dir, checkpoints.CONFIG) or {}
-  bound = gin.get_bindings(network.T5Config)
-  fields = {k: tuple(v) if isinstance(v, list) else v for k, v in stored.items() if k not in bound}
-  try:
-    config = network.T5Config(**fields)  # gin supplies the bound fields
-  except TypeError as e:
-    raise ConfigError(
-      f"{step_dir} stores no complete model config ({e}); pass the model's gin file, "
-      "e.g. --gin_file=models/t5_1_1/small.gin."
-    ) from e
-  logging.info(
-    "Model config (checkpoint %s, gin overrides %s): %s", step_dir, sorted(bound), config
-  )
-  return config
-
-
-def abstract_params(
-  model: models.EncoderDecoderModel, mesh: jax.sharding.Mesh, rules: partitioning.LogicalRules
-) -> tuple[PyTree, PyTree]:
-  """(plain abstract params carrying their shardings, the shardings), nothing allocated."""
-  shapes = {"encoder_input_tokens": (1, 1), "decoder_input_tokens": (1, 1)}
-
-  def init(key: jax.Array) -> PyTree:
-    return model.get_initial_variables(key, shapes)["params"]
-
-  with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
-    boxed = jax.eval_shape(init, jax.random.PRNGKey(0))
-  shardings = partitioning.logical_shardings(boxed, mesh, rules)
-  abstract = jax.tree.map(
-    lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), nn.meta.unbox(boxed), shardings
-  )
-  return abstract, shardings
-
-
 # ------------------------------------------------------------------ running
 
 
@@ -208,8 +104,7 @@ class ModelRunner:
   def __init__(
     self,
     model: models.EncoderDecoderModel,
-    mesh: jax.sharding.Mesh,
-    rules: partitioning.LogicalRules,
+    partitioner: partitioning.Partitioner,
     param_shardings: PyTree,
     decode: DecodeConfig,
     batch_size: int,
@@ -218,35 +113,33 @@ class ModelRunner:
 
     Args:
       model: the model.
-      mesh: device mesh; batches are split over its 'data' axis.
-      rules: logical-axis rules.
-      param_shardings: NamedSharding per parameter (`abstract_params`, or the
-        training state's).
+      partitioner: mesh and logical-axis rules; batches are split over 'data'.
+      param_shardings: NamedSharding per parameter
+        (`Partitioner.abstract_params`, or the training state's).
       decode: decoding options.
       batch_size: global rows per call; a multiple of the mesh's data size.
     """
-    data_size = mesh.shape["data"]
-    if batch_size % data_size:
+    if batch_size % partitioner.data_size:
       raise ConfigError(
-        f"Batch size {batch_size} is not a multiple of the mesh's data axis ({data_size} devices)."
+        f"Batch size {batch_size} is not a multiple of the mesh's data "
+        f"axis ({partitioner.data_size} devices)."
       )
-    self.model, self.mesh, self.rules = model, mesh, rules
+    self.model, self.partitioner = model, partitioner
     self.decode, self.batch_size = decode, batch_size
-    self._batch_sharding = partitioning.batch_sharding(mesh)
-    replicated = NamedSharding(mesh, PartitionSpec())
     kwargs = decode.predict_kwargs()
 
     def predict(params: PyTree, batch: dict[str, jax.Array], rng: jax.Array):
       return model.predict_batch_with_aux(params, batch, rng, **kwargs)
 
-    self._predict = jax.jit(
+    batch_sharding, replicated = partitioner.batch_sharding, partitioner.replicated
+    self._predict = partitioner.jit(
       predict,
-      in_shardings=(param_shardings, self._batch_sharding, replicated),
+      in_shardings=(param_shardings, batch_sharding, replicated),
       out_shardings=replicated,
     )
-    self._score = jax.jit(
+    self._score = partitioner.jit(
       model.score_batch,
-      in_shardings=(param_shardings, self._batch_sharding),
+      in_shardings=(param_shardings, batch_sharding),
       out_shardings=replicated,
     )
     self._calls = 0
@@ -257,8 +150,9 @@ class ModelRunner:
     if rows > self.batch_size:
       raise ValueError(f"Got {rows} rows, more than batch_size {self.batch_size}.")
     padded = pad_rows({k: v for k, v in batch.items() if k in FEATURES}, self.batch_size)
+    sharding = self.partitioner.batch_sharding
     placed = {
-      k: jax.make_array_from_callback(v.shape, self._batch_sharding, lambda i, v=v: v[i])
+      k: jax.make_array_from_callback(v.shape, sharding, lambda i, v=v: v[i])
       for k, v in padded.items()
     }
     return placed, rows
@@ -270,13 +164,10 @@ class ModelRunner:
     placed, rows = self._global(batch)
     rng = jax.random.fold_in(jax.random.PRNGKey(self.decode.seed), self._calls)
     self._calls += 1
-    with jax.set_mesh(self.mesh), nn.logical_axis_rules(self.rules):
-      tokens, aux = self._predict(params, placed, rng)
+    tokens, aux = self._predict(params, placed, rng)
     return np.asarray(tokens)[:rows], np.asarray(aux["scores"])[:rows]
 
   def score(self, params: PyTree, batch: Mapping[str, np.ndarray]) -> np.ndarray:
     """[rows] float32 sums of target log-likelihoods."""
     placed, rows = self._global(batch)
-    with jax.set_mesh(self.mesh), nn.logical_axis_rules(self.rules):
-      scores = self._score(params, placed)
-    return np.asarray(scores)[:rows]
+    return np.asarray(self._score(params, placed))[:rows]

@@ -3,7 +3,8 @@
 The model layer owns what T5X's `models.EncoderDecoderModel` owns: the loss (with
 z-loss, label smoothing and a loss normalizing mode), metric statistics, per-example
 scores and autoregressive predictions through `t5x_lite.decoding`. It never jits and
-never touches a mesh; `t5x_lite.trainer` does both.
+never touches a mesh; `t5x_lite.partitioning.Partitioner` does both. `build_model`
+is the one place a model is built from a network config and the vocabulary.
 
 Metrics travel as sums (`losses.metric_sums`) so they add over microbatches;
 `finalize_metrics` turns them into the reported values.
@@ -17,7 +18,8 @@ import jax
 import jax.numpy as jnp
 import seqio
 
-from t5x_lite import decoding, losses
+from t5x_lite import decoding, losses, network, vocab
+from t5x_lite.errors import ConfigError
 
 Batch = Mapping[str, jax.Array]
 PyTree = Any
@@ -56,35 +58,9 @@ class EncoderDecoderModel:
 
   # ------------------------------------------------------------------ init
 
-  def get_initial_variables(
-    self,
-    rng: jax.Array,
-    input_shapes: Mapping[str, tuple[int, ...]],
-    input_types: Mapping[str, jnp.dtype] | None = None,
-  ) -> dict[str, PyTree]:
-    """Initialises the network.
-
-    Args:
-      rng: PRNG key for parameter initialisation.
-      input_shapes: at least `encoder_input_tokens` and `decoder_input_tokens` shapes.
-      input_types: optional dtypes per feature (default int32).
-
-    Returns:
-      {'params': boxed params (flax LogicallyPartitioned leaves)}.
-    """
-    input_types = input_types or {}
-
-    def ones(name: str) -> jax.Array:
-      return jnp.ones(input_shapes[name], input_types.get(name, jnp.int32))
-
-    variables = self.module.init(
-      {"params": rng, "dropout": rng},
-      ones("encoder_input_tokens"),
-      ones("decoder_input_tokens"),
-      ones("decoder_input_tokens"),
-      enable_dropout=False,
-    )
-    return {"params": variables["params"]}
+  def init_params(self, rng: jax.Array) -> PyTree:
+    """Boxed initial params (`nn.LogicallyPartitioned` leaves) from one PRNG key."""
+    return network.init_params(self.module.config, rng)
 
   # ------------------------------------------------------------------ loss
 
@@ -328,3 +304,32 @@ def _zero_after_eos(tokens: jax.Array, eos_id: int) -> jax.Array:
   eos_seen = jnp.cumsum(tokens == eos_id, axis=-1)  # [..., length]
   after_first = (eos_seen - (tokens == eos_id)) > 0
   return jnp.where(after_first, 0, tokens)
+
+
+@gin.configurable
+def build_model(
+  config: network.T5Config | None = None, vocabulary: seqio.Vocabulary | None = None
+) -> EncoderDecoderModel:
+  """EncoderDecoderModel over `Transformer(config)` and the configured vocabulary.
+
+  Train, eval and infer build their model here: train from `T5Config()` with its
+  gin bindings (gin/models/...), eval and infer from the checkpoint's stored config
+  (`checkpoints.model_config`).
+
+  Args:
+    config: network config; default: `T5Config()` with its gin bindings.
+    vocabulary: of inputs and targets; default `vocab.get_vocabulary()`
+      (gin: `get_vocabulary.sentencepiece_model_file`), e.g.
+      `build_model.vocabulary = @seqio.ByteVocabulary()` for a byte-level model.
+
+  Raises:
+    ConfigError: if the vocabulary has more ids than the network's embedding.
+  """
+  config = config or network.T5Config()
+  vocabulary = vocabulary or vocab.get_vocabulary()
+  if vocabulary.vocab_size > config.vocab_size:
+    raise ConfigError(
+      f"The vocabulary has {vocabulary.vocab_size} ids but T5Config.vocab_size is "
+      f"{config.vocab_size}; set T5Config.vocab_size >= {vocabulary.vocab_size}."
+    )
+  return EncoderDecoderModel(network.Transformer(config), vocabulary, vocabulary)

@@ -520,3 +520,15 @@ class Transformer(nn.Module):
       decoder_positions,
       enable_dropout,
     )
+
+
+def init_params(config: T5Config, rng: jax.Array) -> Any:
+  """Boxed initial params of `Transformer(config)` (`nn.LogicallyPartitioned` leaves).
+
+  No parameter depends on sequence lengths, so one-token inputs initialise them all.
+  """
+  tokens = jnp.ones((1, 1), jnp.int32)  # [batch, length]
+  variables = Transformer(config).init(
+    {"params": rng, "dropout": rng}, tokens, tokens, tokens, enable_dropout=False
+  )
+  return variables["params"]

@@ -1,4 +1,4 @@
-"""Device mesh and the one table of logical-axis rules.
+"""The device mesh, the one table of logical-axis rules, and the Partitioner that jits.
 
 Parameters name their logical axes where they are created (`nn.with_logical_partitioning`
 in `t5x_lite.layers`) and activations are constrained at block boundaries with
@@ -17,13 +17,25 @@ Everything else ('kv', 'length', 'relpos_buckets', 'layers') is replicated.
 Rules are ordered: a logical axis takes its mesh axis only if no earlier-listed
 dimension of the same array already took it, so activations
 ('batch', 'length', 'embed') keep 'data' on the batch even with fsdp.
+
+`Partitioner` (T5X's `PjitPartitioner`) carries the mesh and the rules together and
+is the one place that jits model code with shardings: train and eval steps
+(`t5x_lite.trainer`), predict and score (`t5x_lite.model_runner`) and the
+ahead-of-time compile (`t5x_lite.precompile`, which lowers the very function
+training runs). Gin: `Partitioner.num_partitions`, `Partitioner.fsdp`, the same
+for train, eval and infer.
 """
 
-from collections.abc import Sequence
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import flax.linen as nn
+import gin
 import jax
+import jax.numpy as jnp
 from flax.core import meta
 from jax.experimental import mesh_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -123,3 +135,113 @@ def logical_shardings(tree: Any, mesh: Mesh, rules: LogicalRules) -> Any:
 def batch_sharding(mesh: Mesh) -> NamedSharding:
   """Sharding for [batch, length] input arrays: batch over 'data', length replicated."""
   return NamedSharding(mesh, PartitionSpec('data', None))
+
+
+class PartitionedFunction:
+  """A jitted function that runs and lowers under its partitioner's mesh and rules."""
+
+  def __init__(self, jitted: jax.stages.Wrapped, partitioner: Partitioner):
+    self.jitted = jitted
+    self._partitioner = partitioner
+
+  def __call__(self, *args: Any) -> Any:
+    with self._partitioner.context():
+      return self.jitted(*args)
+
+  def lower(self, *args: Any) -> jax.stages.Lowered:
+    """Lowers for `args` (arrays or `jax.ShapeDtypeStruct`s carrying shardings)."""
+    with self._partitioner.context():
+      return self.jitted.lower(*args)
+
+
+@gin.configurable
+class Partitioner:
+  """The ('data', 'model') mesh, its logical-axis rules, and jit with their shardings.
+
+  Attributes:
+    mesh: the device mesh.
+    rules: the logical-axis rules (`standard_logical_axis_rules(fsdp)`).
+  """
+
+  def __init__(
+    self,
+    num_partitions: int = 1,
+    fsdp: bool = False,
+    *,
+    devices: Sequence[jax.Device] | None = None,
+  ):
+    """Builds the mesh over `devices`.
+
+    Args:
+      num_partitions: model-parallel size; the data axis takes the other devices.
+      fsdp: also shard parameters' 'embed' axis over 'data'.
+      devices: default all devices (compile-only devices for `t5x_lite.precompile`).
+
+    Raises:
+      ValueError: if `num_partitions` does not divide the number of devices.
+    """
+    self.mesh = create_mesh(num_partitions=num_partitions, devices=devices)
+    self.rules = standard_logical_axis_rules(fsdp=fsdp)
+
+  @contextlib.contextmanager
+  def context(self) -> Iterator[None]:
+    """Mesh and rules in scope, so `nn.with_logical_constraint` resolves against them."""
+    with jax.set_mesh(self.mesh), nn.logical_axis_rules(self.rules):
+      yield
+
+  @property
+  def data_size(self) -> int:
+    """Devices along the 'data' axis (global batches must divide by it)."""
+    return self.mesh.shape['data']
+
+  @property
+  def batch_sharding(self) -> NamedSharding:
+    """Sharding of [batch, length] inputs: batch over 'data'."""
+    return batch_sharding(self.mesh)
+
+  @property
+  def replicated(self) -> NamedSharding:
+    """A fully replicated sharding (scalars, RNG keys, metrics)."""
+    return NamedSharding(self.mesh, PartitionSpec())
+
+  def logical_shardings(self, tree: Any) -> Any:
+    """`logical_shardings(tree)` on this mesh with these rules."""
+    return logical_shardings(tree, self.mesh, self.rules)
+
+  def abstract_params(self, init_params: Callable[[jax.Array], Any]) -> tuple[Any, Any]:
+    """Shapes and shardings of parameters, nothing allocated and no PRNG key made.
+
+    Args:
+      init_params: rng -> boxed parameter tree (e.g. `EncoderDecoderModel.init_params`);
+        traced with an abstract key only, so it works on compile-only devices.
+
+    Returns:
+      (plain tree of `jax.ShapeDtypeStruct` carrying their shardings: a restore target
+      for checkpoints; the tree of NamedSharding).
+    """
+    key = jax.ShapeDtypeStruct((2,), jnp.uint32)
+    with self.context():
+      boxed = jax.eval_shape(init_params, key)
+    shardings = self.logical_shardings(boxed)
+    abstract = jax.tree.map(
+      lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+      nn.meta.unbox(boxed),
+      shardings,
+    )
+    return abstract, shardings
+
+  def jit(
+    self,
+    fn: Callable[..., Any],
+    in_shardings: Any,
+    out_shardings: Any,
+    donate_argnums: Sequence[int] = (),
+  ) -> PartitionedFunction:
+    """`jax.jit` with explicit shardings; calls and lowerings enter `context()`."""
+    jitted = jax.jit(
+      fn,
+      in_shardings=in_shardings,
+      out_shardings=out_shardings,
+      donate_argnums=tuple(donate_argnums),
+    )
+    return PartitionedFunction(jitted, self)

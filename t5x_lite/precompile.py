@@ -4,8 +4,8 @@
 
 parses the same gin config as training, builds the same model, optimizer,
 partitioning rules and batch shapes, and lowers and compiles the train step
-(`trainer.train_step` with the shardings and donation of
-`trainer.make_train_step`) for the named slice. No TPU and no arrays are needed:
+(the very function `trainer.make_train_step` jits for training, with its
+shardings and donation) for the named slice. No TPU and no arrays are needed:
 libtpu (the `tpu` extra: `pip install -e '.[tpu]'`) compiles for compile-only
 devices described by `jax.experimental.topologies`, and every input is a
 `jax.ShapeDtypeStruct` carrying its sharding over a mesh of those devices.
@@ -23,7 +23,6 @@ generation here (v4 and v5p in megacore mode, as on Cloud TPU).
 from __future__ import annotations
 
 import dataclasses
-import functools
 import importlib.util
 import inspect
 import os
@@ -35,7 +34,6 @@ from typing import Any
 import gin
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from t5x_lite import data, flops, models, optimizers, partitioning, train_lib, trainer
 from t5x_lite.errors import UserError
@@ -164,8 +162,10 @@ def topology_devices(name: str) -> list[jax.Device]:
   return list(topology.devices)
 
 
-def slice_mesh(devices: list[jax.Device], name: str, num_partitions: int) -> Mesh:
-  """The training ('data', 'model') mesh over the slice's chips.
+def slice_partitioner(
+  devices: list[jax.Device], name: str, num_partitions: int, fsdp: bool
+) -> partitioning.Partitioner:
+  """The training partitioner over the slice's chips.
 
   Raises:
     PrecompileError: if `num_partitions` does not divide the chip count.
@@ -175,7 +175,7 @@ def slice_mesh(devices: list[jax.Device], name: str, num_partitions: int) -> Mes
       f"Model parallelism num_partitions={num_partitions} does not divide the "
       f"{len(devices)} chips of {name}; choose a divisor of {len(devices)}."
     )
-  return partitioning.create_mesh(num_partitions=num_partitions, devices=devices)
+  return partitioning.Partitioner(num_partitions, fsdp, devices=devices)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -285,9 +285,9 @@ def advice(report: PrecompileReport) -> str:
     f"The train step does not fit in {report.hbm_bytes / GIB:.2f} GiB per chip on "
     f"{report.topology}. To cut per-chip memory (try in this order, re-running "
     "--precompile):\n"
-    f"  - more model parallelism: --gin.train.num_partitions=N (now {report.mesh['model']}; "
+    f"  - more model parallelism: --gin.Partitioner.num_partitions=N (now {report.mesh['model']}; "
     f"N must divide {report.chips}) splits heads, MLP and vocab over N chips;\n"
-    "  - fully-sharded parameters: --gin.train.fsdp=True shards parameters and optimizer "
+    "  - fully-sharded parameters: --gin.Partitioner.fsdp=True shards parameters and optimizer "
     "state over the data axis too;\n"
     "  - rematerialisation: --gin.T5Config.remat_policy=minimal (or full) recomputes "
     "activations in the backward pass; bfloat16 activations "
@@ -298,82 +298,37 @@ def advice(report: PrecompileReport) -> str:
   )
 
 
-def abstract_state_on(
-  model: models.EncoderDecoderModel,
-  optimizer: optimizers.Optimizer,
-  input_shapes: Mapping[str, tuple[int, ...]],
-  mesh: Mesh,
-  rules: partitioning.LogicalRules,
-) -> tuple[trainer.TrainState, trainer.TrainState]:
-  """`trainer.abstract_train_state` for a mesh of compile-only devices.
-
-  Shape inference runs on a one-device host mesh with the same axis names (it
-  makes a PRNG key, which cannot run on compile-only devices); the partition
-  specs, which depend on the rules and not on the mesh size, are then placed on
-  `mesh`.
-
-  Returns:
-    (abstract TrainState of ShapeDtypeStructs sharded over `mesh`, its shardings).
-  """
-  host_mesh = partitioning.create_mesh(devices=jax.local_devices(backend="cpu")[:1])
-  host_state, host_shardings = trainer.abstract_train_state(
-    model, optimizer, input_shapes, host_mesh, rules
-  )
-  shardings = jax.tree.map(lambda s: NamedSharding(mesh, s.spec), host_shardings)
-  state = jax.tree.map(
-    lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), host_state, shardings
-  )
-  return state, shardings
-
-
 def lower_train_step(
   model: models.EncoderDecoderModel,
   optimizer: optimizers.Optimizer,
   input_shapes: Mapping[str, tuple[int, ...]],
-  mesh: Mesh,
-  rules: partitioning.LogicalRules,
+  partitioner: partitioning.Partitioner,
   num_microbatches: int,
 ) -> jax.stages.Lowered:
-  """Lowers `trainer.train_step` exactly as `trainer.make_train_step` jits it.
+  """Lowers the train step that training runs: `trainer.make_train_step`'s function.
 
-  Same in/out shardings and donated state; every input is a ShapeDtypeStruct, so
-  nothing is allocated and the mesh's devices may be compile-only.
+  Every input is a ShapeDtypeStruct carrying its sharding (the state from
+  `trainer.abstract_train_state`, which makes no PRNG key), so nothing is
+  allocated and the partitioner's devices may be compile-only.
 
   Args:
     model: the model.
     optimizer: the optimizer.
     input_shapes: global [batch, length] shape of every model feature.
-    mesh: ('data', 'model') mesh.
-    rules: logical-axis rules.
+    partitioner: mesh over the slice's chips and the logical-axis rules.
     num_microbatches: gradient-accumulation slices.
 
   Returns:
     The lowered step, ready for `.compile()`.
   """
-  state, shardings = abstract_state_on(model, optimizer, input_shapes, mesh, rules)
-  batch_sharding = partitioning.batch_sharding(mesh)
-  replicated = NamedSharding(mesh, PartitionSpec())
+  state, shardings = trainer.abstract_train_state(model, optimizer, partitioner)
   batch = {
-    name: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=batch_sharding)
+    name: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=partitioner.batch_sharding)
     for name, shape in input_shapes.items()
   }  # [batch, length] each
-  rng = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=replicated)
-  step = functools.partial(
-    trainer.train_step,
-    model,
-    optimizer,
-    num_microbatches=num_microbatches,
-    mesh=mesh,
-    param_shardings=shardings.params,
-  )
-  jitted = jax.jit(
-    step,
-    in_shardings=(shardings, batch_sharding, replicated),
-    out_shardings=(shardings, replicated),
-    donate_argnums=(0,),
-  )
-  with trainer.sharding_context(mesh, rules):
-    return jitted.lower(state, batch, rng)
+  rng = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=partitioner.replicated)
+  step = trainer.make_train_step(model, optimizer, partitioner, shardings, num_microbatches)
+  return step.lower(state, batch, rng)
 
 
 def _xla_flops(compiled: jax.stages.Compiled) -> float | None:
@@ -414,8 +369,7 @@ def precompile_train_step(
   """
   gen, _ = parse_topology(topology)
   devices = topology_devices(topology)
-  mesh = slice_mesh(devices, topology, num_partitions)
-  rules = partitioning.standard_logical_axis_rules(fsdp=fsdp)
+  partitioner = slice_partitioner(devices, topology, num_partitions, fsdp)
   lengths = data.model_feature_lengths(dataset_cfg)
   inputs, targets = lengths["encoder_input_tokens"], lengths["decoder_target_tokens"]
   model_flops = (
@@ -424,7 +378,7 @@ def precompile_train_step(
     * (inputs + targets)
   )
   lowered = lower_train_step(
-    model, optimizer, data.model_input_shapes(dataset_cfg), mesh, rules, num_microbatches
+    model, optimizer, data.model_input_shapes(dataset_cfg), partitioner, num_microbatches
   )
   memory, error, xla_flops = None, None, None
   try:
@@ -438,7 +392,7 @@ def precompile_train_step(
   return PrecompileReport(
     topology=topology,
     chips=len(devices),
-    mesh=dict(mesh.shape),
+    mesh=dict(partitioner.mesh.shape),
     hbm_bytes=int(gen.hbm_gib * GIB),
     memory=memory,
     compiler_error=error,
@@ -448,10 +402,10 @@ def precompile_train_step(
   )
 
 
-def train_arguments() -> dict[str, Any]:
-  """The arguments `train_lib.train()` would get: its defaults, then gin's bindings."""
-  args = {name: p.default for name, p in inspect.signature(train_lib.train).parameters.items()}
-  args.update(gin.get_bindings(train_lib.train))
+def bound_arguments(fn: Any) -> dict[str, Any]:
+  """The arguments a gin-configurable `fn` gets when called bare: defaults, then gin."""
+  args = {name: p.default for name, p in inspect.signature(fn).parameters.items()}
+  args.update(gin.get_bindings(fn))
   return args
 
 
@@ -478,7 +432,8 @@ def run(topology: str | None) -> int:
   require_libtpu()
   if not jax.config.jax_platforms:  # host work (shape inference) stays on the CPU
     jax.config.update("jax_platforms", "cpu")
-  args = train_arguments()
+  args = bound_arguments(train_lib.train)
+  partitioner_args = bound_arguments(partitioning.Partitioner)
   dataset_cfg = args["train_dataset_cfg"]
   if not isinstance(dataset_cfg, data.DatasetConfig) or not isinstance(
     dataset_cfg.task_feature_lengths, Mapping
@@ -488,12 +443,12 @@ def run(topology: str | None) -> int:
       "TASK_FEATURE_LENGTHS (and BATCH_SIZE), as for training."
     )
   report = precompile_train_step(
-    args["model"] or train_lib.build_model(),
+    args["model"] or models.build_model(),
     args["optimizer"],
     dataset_cfg,
     topology,
-    num_partitions=args["num_partitions"],
-    fsdp=args["fsdp"],
+    num_partitions=partitioner_args["num_partitions"],
+    fsdp=partitioner_args["fsdp"],
     num_microbatches=args["num_microbatches"],
   )
   print("\n".join(report.lines()), flush=True)

@@ -51,8 +51,8 @@ from t5x_lite import (
   optimizers,
   partitioning,
   throughput,
+  train_checkpointer,
   trainer,
-  vocab,
 )
 from t5x_lite.errors import UserError
 
@@ -61,27 +61,6 @@ CONFIG_FILE = "config.gin"
 
 class NonFiniteLossError(UserError, RuntimeError):
   """Training produced a NaN/Inf loss or gradient norm."""
-
-
-@gin.configurable
-def build_model(config: network.T5Config | None = None) -> models.EncoderDecoderModel:
-  """EncoderDecoderModel over `Transformer(T5Config())` and the configured vocabulary.
-
-  Args:
-    config: network config; default: `T5Config()` with its gin bindings
-      (gin/models/...).
-
-  Raises:
-    ValueError: if the vocabulary has more ids than the network's embedding.
-  """
-  config = config or network.T5Config()
-  vocabulary = vocab.get_vocabulary()
-  if vocabulary.vocab_size > config.vocab_size:
-    raise ValueError(
-      f"The vocabulary has {vocabulary.vocab_size} ids but T5Config.vocab_size is "
-      f"{config.vocab_size}; set T5Config.vocab_size >= {vocabulary.vocab_size}."
-    )
-  return models.EncoderDecoderModel(network.Transformer(config), vocabulary, vocabulary)
 
 
 class StopRequest:
@@ -120,18 +99,15 @@ class _Setup:
   shardings: trainer.TrainState
   rng: jax.Array
   model_config: network.T5Config
-  mesh: jax.sharding.Mesh
-  rules: Any
+  partitioner: partitioning.Partitioner
 
 
 def _setup_state(
   model: models.EncoderDecoderModel,
   optimizer: optimizers.Optimizer,
-  input_shapes: Mapping[str, tuple[int, ...]],
-  ckpt: checkpoints.TrainCheckpointer,
+  ckpt: train_checkpointer.TrainCheckpointer,
   train_iter: data.TrainIterator,
-  mesh: jax.sharding.Mesh,
-  rules: Any,
+  partitioner: partitioning.Partitioner,
   *,
   random_seed: int,
   initial_checkpoint_path: str | None,
@@ -143,7 +119,7 @@ def _setup_state(
   skipped with a warning (`TrainCheckpointer.restore_latest`).
   """
   init_rng, rng = jax.random.split(jax.random.PRNGKey(random_seed))
-  abstract, shardings = trainer.abstract_train_state(model, optimizer, input_shapes, mesh, rules)
+  abstract, shardings = trainer.abstract_train_state(model, optimizer, partitioner)
   restored = ckpt.restore_latest(abstract.params, abstract.opt_state, train_iter)
   if restored is not None:
     logging.info("Resuming from %s/%d", ckpt.directory, restored.step)
@@ -151,16 +127,14 @@ def _setup_state(
     state = trainer.TrainState(step=step, params=restored.params, opt_state=restored.opt_state)
     rng = jnp.asarray(restored.meta["rng"], jnp.uint32)
   else:
-    state, shardings = trainer.init_train_state(
-      model, optimizer, input_shapes, init_rng, mesh, rules
-    )
+    state, shardings = trainer.init_train_state(model, optimizer, init_rng, partitioner)
     if initial_checkpoint_path:
       logging.info("Fine-tuning from %s (params only)", initial_checkpoint_path)
       params = checkpoints.restore_params(
         initial_checkpoint_path, abstract.params, dtype=initial_checkpoint_dtype
       )
       state = state.replace(params=params)
-  return _Setup(state, shardings, rng, model.module.config, mesh, rules)
+  return _Setup(state, shardings, rng, model.module.config, partitioner)
 
 
 def _fetch_and_check(
@@ -234,7 +208,7 @@ class _Loop:
     model: models.EncoderDecoderModel,
     optimizer: optimizers.Optimizer,
     setup: _Setup,
-    ckpt: checkpoints.TrainCheckpointer,
+    ckpt: train_checkpointer.TrainCheckpointer,
     train_iter: data.TrainIterator,
     model_dir: str,
     total_steps: int,
@@ -246,7 +220,7 @@ class _Loop:
     self.total_steps, self.log_period = total_steps, log_period
     self.model = model
     self.train_step = trainer.make_train_step(
-      model, optimizer, setup.mesh, setup.rules, setup.shardings, num_microbatches
+      model, optimizer, setup.partitioner, setup.shardings, num_microbatches
     )
     self.logger = metrics_logging.MetricsLogger(model_dir, total_steps)
     lengths = data.model_feature_lengths(dataset_cfg)
@@ -258,7 +232,7 @@ class _Loop:
       rows_per_step=dataset_cfg.batch_size,
       tokens_per_step=tokens,
       flops_per_step=flops.flops_per_token(setup.model_config, inputs, targets) * tokens,
-      num_devices=setup.mesh.devices.size,
+      num_devices=setup.partitioner.mesh.devices.size,
       peak_flops_per_device=peak,
     )
     self.eval: tuple[data.DatasetConfig, int, int, Any] | None = None
@@ -269,7 +243,7 @@ class _Loop:
   def enable_eval(self, cfg: data.DatasetConfig, period: int, steps: int) -> None:
     """Evaluates every `period` steps (and at the end) on `steps` batches of `cfg`."""
     eval_step = trainer.make_eval_step(
-      self.model, self.setup.mesh, self.setup.rules, self.setup.shardings
+      self.model, self.setup.partitioner, self.setup.shardings.params
     )
     self.eval = (cfg, period, steps, eval_step)
 
@@ -293,7 +267,7 @@ class _Loop:
     cfg, period, steps, eval_step = self.eval
     if step % period and step != self.total_steps:
       return False
-    batches = data.eval_batches(cfg, partitioning.batch_sharding(self.setup.mesh), steps)
+    batches = data.eval_batches(cfg, self.setup.partitioner.batch_sharding, steps)
     self.logger.write("eval", step, evaluate(eval_step, state.params, batches))
     return True
 
@@ -385,8 +359,7 @@ def train(
   log_period: int = 10,
   random_seed: int = 0,
   num_microbatches: int = 1,
-  num_partitions: int = 1,
-  fsdp: bool = False,
+  partitioner: partitioning.Partitioner | None = None,
   initial_checkpoint_path: str | None = None,
   initial_checkpoint_dtype: str | None = None,
   data_checkpoint_mode: str = "iterator",
@@ -399,7 +372,7 @@ def train(
     total_steps: the step to train to (a resumed run continues up to it).
     train_dataset_cfg: training data (global batch size included).
     optimizer: an `optimizers.Optimizer`.
-    model: the model; default `build_model()`.
+    model: the model; default `models.build_model()`.
     eval_dataset_cfg: validation data for periodic eval loss; None disables.
     eval_period: evaluate every this many steps and at the end (0: never).
     eval_steps: batches per evaluation.
@@ -410,10 +383,8 @@ def train(
     random_seed: parameter init and dropout seed of a fresh run (a resumed run
       uses the RNG saved in its checkpoint).
     num_microbatches: gradient accumulation slices per step.
-    num_partitions: model-parallel size of the ('data', 'model') mesh; the data
-      axis takes the remaining devices.
-    fsdp: also shard parameters' embed axis over 'data'
-      (`partitioning.standard_logical_axis_rules`).
+    partitioner: mesh and logical-axis rules; default `partitioning.Partitioner()`
+      (gin: `Partitioner.num_partitions`, `Partitioner.fsdp`).
     initial_checkpoint_path: fine-tune start: checkpoint root or step dir whose
       `params` are loaded when MODEL_DIR has no checkpoint yet.
     initial_checkpoint_dtype: cast the loaded params to this dtype (default:
@@ -424,10 +395,9 @@ def train(
   Returns:
     The final TrainState.
   """
-  model = model or build_model()
-  mesh = partitioning.create_mesh(num_partitions=num_partitions)
-  rules = partitioning.standard_logical_axis_rules(fsdp=fsdp)
-  ckpt = checkpoints.TrainCheckpointer(model_dir)
+  model = model or models.build_model()
+  partitioner = partitioner or partitioning.Partitioner()
+  ckpt = train_checkpointer.TrainCheckpointer(model_dir)
   stop = StopRequest() if stop is None else stop
   with contextlib.ExitStack() as stack:
     stack.callback(ckpt.close)
@@ -435,16 +405,14 @@ def train(
     if jax.process_index() == 0:  # every host reads the same first examples: report once
       data.log_truncation(train_dataset_cfg)  # warns when examples exceed the feature lengths
     train_iter = data.train_iterator(
-      train_dataset_cfg, partitioning.batch_sharding(mesh), data_checkpoint_mode
+      train_dataset_cfg, partitioner.batch_sharding, data_checkpoint_mode
     )
     setup = _setup_state(
       model,
       optimizer,
-      data.model_input_shapes(train_dataset_cfg),
       ckpt,
       train_iter,
-      mesh,
-      rules,
+      partitioner,
       random_seed=random_seed,
       initial_checkpoint_path=initial_checkpoint_path,
       initial_checkpoint_dtype=initial_checkpoint_dtype,
@@ -467,7 +435,7 @@ def train(
       loop.infer_eval = (
         infer_eval_period,
         eval_lib.training_evaluator(
-          model, mesh, rules, setup.shardings.params, eval_dataset_cfg, model_dir
+          model, partitioner, setup.shardings.params, eval_dataset_cfg, model_dir
         ),
       )
     write_operative_config(model_dir)

@@ -1,11 +1,14 @@
-"""Pure train and eval steps, jitted once each with explicit shardings.
+"""Pure train and eval steps, and their jitted forms with explicit shardings.
 
-This is the one place that calls `jax.jit` on model code. Parameters shard by the
-logical axes they were created with (`partitioning.logical_shardings`); optimizer
-statistics shard like their parameters (`opt_state_shardings`); batches shard over
-the mesh's 'data' axis; the step counter and metrics are replicated. Steps run under
-`jax.set_mesh(mesh)` and `nn.logical_axis_rules(rules)` so the network's
-`nn.with_logical_constraint` calls resolve against the same table.
+`train_step` and `eval_step` are pure. `make_train_step` / `make_eval_step` jit
+them through the `partitioning.Partitioner` (the one place model code is jitted);
+the returned `PartitionedFunction` is what training calls and what
+`t5x_lite.precompile` lowers for a TPU slice. Parameters shard by the logical axes
+they were created with; optimizer statistics shard like their parameters
+(`opt_state_shardings`); batches shard over the mesh's 'data' axis; the step
+counter and metrics are replicated. Steps run under the partitioner's mesh and
+rules, so the network's `nn.with_logical_constraint` calls resolve against the same
+table.
 
 Gradient accumulation: the batch's loss normalizing factor and weights are computed
 once on the full batch; each of `num_microbatches` slices is then differentiated with
@@ -13,8 +16,7 @@ those, and gradients and metric sums are added in a `lax.scan`. The accumulated 
 therefore equals the full-batch update for every normalizing mode.
 """
 
-import contextlib
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Mapping
 
 import flax.linen as nn
 import flax.struct
@@ -27,7 +29,6 @@ from t5x_lite import models, optimizers, partitioning
 
 PyTree = Any
 Batch = Mapping[str, jax.Array]
-Rules = tuple[tuple[str, Any], ...]
 
 
 class TrainState(flax.struct.PyTreeNode):
@@ -42,17 +43,6 @@ class TrainState(flax.struct.PyTreeNode):
   step: jax.Array
   params: PyTree
   opt_state: optax.OptState
-
-
-@contextlib.contextmanager
-def sharding_context(mesh: Mesh, rules: Rules) -> Iterator[None]:
-  """Mesh and logical-axis rules in scope, so `nn.with_logical_constraint` applies.
-
-  Steps made here enter it around every call; enter it yourself to trace or jit
-  other model functions (e.g. `predict_batch`) with the same activation shardings.
-  """
-  with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
-    yield
 
 
 def opt_state_shardings(
@@ -100,38 +90,27 @@ def opt_state_shardings(
 def abstract_train_state(
   model: models.EncoderDecoderModel,
   optimizer: optimizers.Optimizer,
-  input_shapes: Mapping[str, tuple[int, ...]],
-  mesh: Mesh,
-  rules: Rules,
+  partitioner: partitioning.Partitioner,
 ) -> tuple[TrainState, TrainState]:
-  """The TrainState's shapes and shardings, without allocating anything.
+  """The TrainState's shapes and shardings: nothing allocated, no PRNG key made.
 
   Args:
     model: the model.
     optimizer: an `optimizers.Optimizer`.
-    input_shapes: feature shapes for `model.get_initial_variables`.
-    mesh: device mesh with axes ('data', 'model').
-    rules: logical-axis rules (`partitioning.standard_logical_axis_rules`).
+    partitioner: mesh and logical-axis rules.
 
   Returns:
     (abstract state, state_shardings): a TrainState of `jax.ShapeDtypeStruct`s that
-    carry their sharding (a restore target for checkpoints), and the TrainState-shaped
-    tree of NamedSharding (params by logical axes, optimizer statistics like their
-    params, step replicated).
+    carry their sharding (a restore target for checkpoints; inputs to lower the step
+    for compile-only devices), and the TrainState-shaped tree of NamedSharding
+    (params by logical axes, optimizer statistics like their params, step replicated).
   """
-
-  def init_params(key: jax.Array) -> PyTree:
-    return model.get_initial_variables(key, input_shapes)["params"]
-
-  with sharding_context(mesh, rules):
-    boxed = jax.eval_shape(init_params, jax.random.PRNGKey(0))
-  params = nn.meta.unbox(boxed)
-  param_shardings = partitioning.logical_shardings(boxed, mesh, rules)
+  params, param_shardings = partitioner.abstract_params(model.init_params)
   opt_state = jax.eval_shape(optimizer.init, params)
   shardings = TrainState(
-    step=NamedSharding(mesh, PartitionSpec()),
+    step=partitioner.replicated,
     params=param_shardings,
-    opt_state=opt_state_shardings(opt_state, params, param_shardings, mesh),
+    opt_state=opt_state_shardings(opt_state, params, param_shardings, partitioner.mesh),
   )
   shapes = TrainState(step=jax.ShapeDtypeStruct((), jnp.int32), params=params, opt_state=opt_state)
   abstract = jax.tree.map(
@@ -145,36 +124,33 @@ def abstract_train_state(
 def init_train_state(
   model: models.EncoderDecoderModel,
   optimizer: optimizers.Optimizer,
-  input_shapes: Mapping[str, tuple[int, ...]],
   rng: jax.Array,
-  mesh: Mesh,
-  rules: Rules,
+  partitioner: partitioning.Partitioner,
 ) -> tuple[TrainState, TrainState]:
   """Initialises params and optimizer state directly in their shardings.
 
   Args:
     model: the model.
     optimizer: an `optimizers.Optimizer`.
-    input_shapes: feature shapes for `model.get_initial_variables`.
     rng: PRNG key for parameter initialisation.
-    mesh: device mesh with axes ('data', 'model').
-    rules: logical-axis rules (`partitioning.standard_logical_axis_rules`).
+    partitioner: mesh and logical-axis rules.
 
   Returns:
     (state, state_shardings): a sharded step-0 TrainState, and the TrainState-shaped
     tree of NamedSharding used for it (pass it to `make_train_step`).
   """
-  _, state_shardings = abstract_train_state(model, optimizer, input_shapes, mesh, rules)
+  _, state_shardings = abstract_train_state(model, optimizer, partitioner)
 
   def init_fn(key: jax.Array) -> TrainState:
-    params = nn.meta.unbox(model.get_initial_variables(key, input_shapes)["params"])
+    params = nn.meta.unbox(model.init_params(key))
     return TrainState(
       step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.init(params)
     )
 
-  with sharding_context(mesh, rules):
-    state = jax.jit(init_fn, out_shardings=state_shardings)(rng)
-  return state, state_shardings
+  init = partitioner.jit(
+    init_fn, in_shardings=partitioner.replicated, out_shardings=state_shardings
+  )
+  return init(rng), state_shardings
 
 
 def _split_microbatches(batch: Batch, num_microbatches: int, mesh: Mesh) -> Batch:
@@ -289,27 +265,25 @@ def train_step(
 def make_train_step(
   model: models.EncoderDecoderModel,
   optimizer: optimizers.Optimizer,
-  mesh: Mesh,
-  rules: Rules,
+  partitioner: partitioning.Partitioner,
   state_shardings: TrainState,
   num_microbatches: int = 1,
-) -> Callable[[TrainState, Batch, jax.Array], tuple[TrainState, dict[str, jax.Array]]]:
+) -> partitioning.PartitionedFunction:
   """Jits `train_step` once with explicit shardings and a donated state.
 
   Args:
     model: the model.
     optimizer: an `optimizers.Optimizer`.
-    mesh: the device mesh.
-    rules: logical-axis rules.
-    state_shardings: from `init_train_state`.
+    partitioner: mesh and logical-axis rules.
+    state_shardings: from `init_train_state` or `abstract_train_state`.
     num_microbatches: gradient-accumulation slices (global batch must divide).
 
   Returns:
-    fn(state, batch, rng) -> (state, metrics). The input state is donated (do not
-    reuse it); batch leaves are [global_batch, ...] sharded over 'data' (host numpy
-    arrays are placed accordingly); metrics are replicated device scalars.
+    fn(state, batch, rng) -> (state, metrics); `fn.lower(...)` lowers this same
+    function (`t5x_lite.precompile`). The input state is donated (do not reuse it);
+    batch leaves are [global_batch, ...] sharded over 'data' (host numpy arrays are
+    placed accordingly); metrics are replicated device scalars.
   """
-  replicated = NamedSharding(mesh, PartitionSpec())
 
   def step(state: TrainState, batch: Batch, rng: jax.Array):
     return train_step(
@@ -319,53 +293,46 @@ def make_train_step(
       batch,
       rng,
       num_microbatches=num_microbatches,
-      mesh=mesh,
+      mesh=partitioner.mesh,
       param_shardings=state_shardings.params,
     )
 
-  jitted = jax.jit(
+  return partitioner.jit(
     step,
-    in_shardings=(state_shardings, partitioning.batch_sharding(mesh), replicated),
-    out_shardings=(state_shardings, replicated),
+    in_shardings=(state_shardings, partitioner.batch_sharding, partitioner.replicated),
+    out_shardings=(state_shardings, partitioner.replicated),
     donate_argnums=(0,),
   )
 
-  def run(state: TrainState, batch: Batch, rng: jax.Array):
-    with sharding_context(mesh, rules):
-      return jitted(state, batch, rng)
 
-  return run
+def eval_step(
+  model: models.EncoderDecoderModel, params: PyTree, batch: Batch
+) -> dict[str, jax.Array]:
+  """Teacher-forced loss and metrics without dropout (pure; `make_eval_step` jits it).
+
+  The metrics are the training objective's (`finalize_metrics`: loss with z-loss and
+  label smoothing, accuracy, ...), so they compare with the training curve.
+  """
+  return model.eval_fn(params, batch)[1]
 
 
 def make_eval_step(
   model: models.EncoderDecoderModel,
-  mesh: Mesh,
-  rules: Rules,
-  state_shardings: TrainState,
-) -> Callable[[PyTree, Batch], dict[str, jax.Array]]:
-  """Jits the eval step: teacher-forced loss and metrics without dropout.
+  partitioner: partitioning.Partitioner,
+  param_shardings: PyTree,
+) -> partitioning.PartitionedFunction:
+  """Jits `eval_step` with explicit shardings.
 
   Args:
     model: the model.
-    mesh: the device mesh.
-    rules: logical-axis rules.
-    state_shardings: from `init_train_state` (its `params` shardings are used).
+    partitioner: mesh and logical-axis rules.
+    param_shardings: the training state's `params` shardings.
 
   Returns:
     fn(params, batch) -> metrics (names of `finalize_metrics`), replicated scalars.
   """
-
-  def step(params: PyTree, batch: Batch) -> dict[str, jax.Array]:
-    return model.eval_fn(params, batch)[1]
-
-  jitted = jax.jit(
-    step,
-    in_shardings=(state_shardings.params, partitioning.batch_sharding(mesh)),
-    out_shardings=NamedSharding(mesh, PartitionSpec()),
+  return partitioner.jit(
+    lambda params, batch: eval_step(model, params, batch),
+    in_shardings=(param_shardings, partitioner.batch_sharding),
+    out_shardings=partitioner.replicated,
   )
-
-  def run(params: PyTree, batch: Batch) -> dict[str, jax.Array]:
-    with sharding_context(mesh, rules):
-      return jitted(params, batch)
-
-  return run

@@ -10,9 +10,9 @@ import optax
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from t5x_lite import checkpoints
-from t5x_lite.checkpoint_manifest import CheckpointError, CorruptCheckpointError, FILE_MANIFEST
-from t5x_lite.errors import UserError
+from t5x_lite import checkpoints, train_checkpointer
+from t5x_lite.checkpoint_manifest import FILE_MANIFEST
+from t5x_lite.errors import CheckpointError, CorruptCheckpointError, UserError
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +55,7 @@ class _CountingIterator:
 
 def _save_steps(directory, steps, keep=2):
   optimizer = optax.adafactor(1e-2)
-  ckpt = checkpoints.TrainCheckpointer(directory, save_period=2, keep=keep)
+  ckpt = train_checkpointer.TrainCheckpointer(directory, save_period=2, keep=keep)
   for step in steps:
     params = _params(float(step))
     ckpt.save(step, params, optimizer.init(params), {"rng": [0, step]}, _CountingIterator(step))
@@ -65,7 +65,7 @@ def _save_steps(directory, steps, keep=2):
 
 def test_save_keep_and_restore_into_target_shardings(tmp_path, mesh):
   optimizer = _save_steps(tmp_path, [2, 4, 6])
-  ckpt = checkpoints.TrainCheckpointer(tmp_path, keep=2)
+  ckpt = train_checkpointer.TrainCheckpointer(tmp_path, keep=2)
   assert ckpt.all_steps() == [4, 6] and ckpt.latest_step() == 6
   specs = {"token_embedder/embedding": P("data", "model")}
   abstract_params = _abstract(_params(), mesh, specs)
@@ -87,7 +87,7 @@ def test_save_keep_and_restore_into_target_shardings(tmp_path, mesh):
 
 def test_existing_step_is_not_overwritten(tmp_path):
   _save_steps(tmp_path, [2], keep=None)
-  ckpt = checkpoints.TrainCheckpointer(tmp_path)
+  ckpt = train_checkpointer.TrainCheckpointer(tmp_path)
   params = _params(9.0)
   assert not ckpt.save(2, params, optax.adafactor(1e-2).init(params), {})
   ckpt.close()
@@ -99,7 +99,7 @@ def test_different_model_lists_paths_and_shapes(tmp_path, mesh):
     "token_embedder": {"embedding": jnp.zeros((8, 4))},
     "decoder": {"decoder_norm": {"scale": jnp.ones((4,))}},
   }
-  ckpt = checkpoints.TrainCheckpointer(tmp_path)
+  ckpt = train_checkpointer.TrainCheckpointer(tmp_path)
   with pytest.raises(checkpoints.CheckpointMismatchError) as e:
     ckpt.restore(2, _abstract(other, mesh), _abstract(jax.eval_shape(optimizer.init, other), mesh))
   ckpt.close()
@@ -117,7 +117,7 @@ def test_truncated_file_is_named_and_older_step_still_restores(tmp_path, mesh, v
     target = sorted(p for p in target.iterdir() if p.is_file())[0]
   with open(target, "r+b") as f:
     f.truncate(target.stat().st_size // 2)
-  ckpt = checkpoints.TrainCheckpointer(tmp_path)
+  ckpt = train_checkpointer.TrainCheckpointer(tmp_path)
   abstract_opt = _abstract(jax.eval_shape(optimizer.init, _params()), mesh)
   with pytest.raises(CorruptCheckpointError, match=str(target)):
     ckpt.restore(4, _abstract(_params(), mesh), abstract_opt)
@@ -182,10 +182,10 @@ def test_missing_checkpoint_is_a_user_error_naming_the_path(tmp_path, mesh, monk
     CheckpointError,
     match=f"No checkpoint at empty \\({tmp_path}/empty\\): expected a step directory with params/",
   ):
-    checkpoints.resolve_step_dir("empty")
+    checkpoints.find_steps("empty")
   _save_steps(tmp_path / "run", [2])
   with pytest.raises(CheckpointError, match=r"Step 4 not in run \(.*/run\) \(have \[2\]\)"):
-    checkpoints.resolve_step_dir("run", step=4)
+    checkpoints.find_steps("run", step=4)
 
 
 def test_relative_paths_are_taken_from_the_working_directory(tmp_path, mesh, monkeypatch):
@@ -193,7 +193,12 @@ def test_relative_paths_are_taken_from_the_working_directory(tmp_path, mesh, mon
   _save_steps("run", [2, 4])
   params = checkpoints.restore_params("./run", _abstract(_params(), mesh), step=2)
   assert float(params["encoder"]["encoder_norm"]["scale"][0]) == 2.0
-  assert checkpoints.resolve_step_dir("./run") == tmp_path / "run" / "4"
+  assert checkpoints.find_steps("./run") == [(4, tmp_path / "run" / "4")]
+  assert checkpoints.find_steps("./run", step="all") == [
+    (s, tmp_path / "run" / str(s)) for s in (2, 4)
+  ]
+  assert checkpoints.find_steps("run", step="all", exclude=[2, 4]) == []
+  assert checkpoints.find_steps("run/2", step="all") == [(2, tmp_path / "run" / "2")]
   step_dir = checkpoints.write_params_checkpoint("converted", _params(3.0))
   assert step_dir == tmp_path / "converted" / "0"
   params = checkpoints.restore_params("converted/0", _abstract(_params(), mesh))
@@ -206,9 +211,9 @@ def test_model_dir_that_is_a_file_is_named(tmp_path, monkeypatch):
   with pytest.raises(
     CheckpointError, match=f"MODEL_DIR ./x \\({tmp_path}/x\\) is a file, not a directory"
   ):
-    checkpoints.TrainCheckpointer("./x")
+    train_checkpointer.TrainCheckpointer("./x")
   with pytest.raises(CheckpointError, match=f"x/run .*cannot be created: {tmp_path}/x is a file"):
-    checkpoints.TrainCheckpointer("x/run")
+    train_checkpointer.TrainCheckpointer("x/run")
   with pytest.raises(CheckpointError, match="Checkpoint directory x .* is a file"):
     checkpoints.write_params_checkpoint("x", _params())
 
@@ -251,7 +256,7 @@ def test_restore_params_of_a_root_falls_back_to_the_newest_intact_step(tmp_path,
     CorruptCheckpointError,
     match=f"No intact checkpoint step in {tmp_path}: step 6: .*step 4: .*step 2: ",
   ):
-    checkpoints.resolve_step_dir(tmp_path)
+    checkpoints.find_steps(tmp_path)
   del before[Path("2") / _first_params_file(tmp_path / "2")]
   after = _snapshot(tmp_path)
   assert all(after[k] == v for k, v in before.items())  # nothing else touched
@@ -265,7 +270,7 @@ def test_training_restore_falls_back_and_sets_the_corrupt_step_aside_on_save(
   corrupt = _snapshot(tmp_path / "4")
   abstract_params = _abstract(_params(), mesh)
   abstract_opt = _abstract(jax.eval_shape(optimizer.init, _params()), mesh)
-  ckpt = checkpoints.TrainCheckpointer(tmp_path, save_period=2, keep=3)
+  ckpt = train_checkpointer.TrainCheckpointer(tmp_path, save_period=2, keep=3)
   iterator = _CountingIterator()
   restored = ckpt.restore_latest(abstract_params, abstract_opt, iterator)
   assert restored.step == 2 and iterator.position == 2 and restored.meta["step"] == 2
@@ -279,7 +284,7 @@ def test_training_restore_falls_back_and_sets_the_corrupt_step_aside_on_save(
   ckpt.close()
   assert _snapshot(tmp_path / "4.corrupt") == corrupt
   assert f"Moved corrupt checkpoint step {tmp_path}/4 to {tmp_path}/4.corrupt" in caplog.text
-  ckpt = checkpoints.TrainCheckpointer(tmp_path, keep=3)
+  ckpt = train_checkpointer.TrainCheckpointer(tmp_path, keep=3)
   assert ckpt.all_steps() == [2, 4]
   restored = ckpt.restore_latest(abstract_params, abstract_opt)
   ckpt.close()
@@ -290,7 +295,7 @@ def test_training_restore_falls_back_and_sets_the_corrupt_step_aside_on_save(
 def test_training_restore_without_an_intact_step_names_every_bad_file(tmp_path, mesh):
   optimizer = _save_steps(tmp_path, [2, 4], keep=3)
   bad = [_truncate_listed_file(tmp_path / str(step)) for step in (4, 2)]
-  ckpt = checkpoints.TrainCheckpointer(tmp_path)
+  ckpt = train_checkpointer.TrainCheckpointer(tmp_path)
   with pytest.raises(CorruptCheckpointError, match=f"step 4: .*{bad[0]}.*; step 2: .*{bad[1]}"):
     ckpt.restore_latest(
       _abstract(_params(), mesh), _abstract(jax.eval_shape(optimizer.init, _params()), mesh)

@@ -22,20 +22,21 @@ import seqio
 import tensorflow as tf
 
 from t5x_lite import (
-  infer_lib,
   checkpoints,
   data,
   eval_lib,
+  infer_lib,
   model_runner,
   models,
   network,
   optimizers,
   partitioning,
   task_metrics,
+  train_checkpointer,
   train_lib,
 )
-from t5x_lite.checkpoint_manifest import FILE_MANIFEST, CheckpointError, CorruptCheckpointError
-from t5x_lite.errors import ConfigError
+from t5x_lite.checkpoint_manifest import FILE_MANIFEST
+from t5x_lite.errors import CheckpointError, ConfigError, CorruptCheckpointError
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VOCAB = seqio.ByteVocabulary()
@@ -86,6 +87,7 @@ if LABELED_TASK not in seqio.TaskRegistry.names():
 @pytest.fixture(autouse=True)
 def _clean_gin():
   gin.clear_config()
+  gin.bind_parameter("build_model.vocabulary", VOCAB)  # eval and infer build their model
   yield
   gin.clear_config()
 
@@ -132,7 +134,7 @@ def test_metrics_of_predictions_scores_and_loss_only_task(tmp_path, caplog):
   assert results[LABELED_TASK]["accuracy"] == 100.0
   assert results[LABELED_TASK]["mean_score"] == pytest.approx(-np.mean(targets))
   # Loss only: sum of -scores over target tokens = 1 per token.
-  assert results[PLAIN_TASK] == {"loss": 1.0, "num_examples": float(NUM_EXAMPLES)}
+  assert results[PLAIN_TASK] == {"nll_per_token": 1.0, "num_examples": float(NUM_EXAMPLES)}
   assert runner.rows_predicted == NUM_EXAMPLES
   with open(tmp_path / "inferences" / f"{LABELED_TASK}-step_7.jsonl") as f:
     lines = [json.loads(line) for line in f]
@@ -162,20 +164,15 @@ def _tiny_config() -> network.T5Config:
   )
 
 
-def _build_model(config: network.T5Config) -> models.EncoderDecoderModel:
-  return models.EncoderDecoderModel(network.Transformer(config), VOCAB, VOCAB)
-
-
 def _write_checkpoint(root, steps) -> models.EncoderDecoderModel:
   """Params-only checkpoints of a random tiny model (different seed per step)."""
   config = _tiny_config()
-  model = _build_model(config)
-  shapes = {"encoder_input_tokens": (1, 1), "decoder_input_tokens": (1, 1)}
+  model = models.build_model(config)
   stored = {
     k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(config).items()
   }
   for step in steps:
-    params = nn.meta.unbox(model.get_initial_variables(jax.random.PRNGKey(step), shapes)["params"])
+    params = nn.meta.unbox(model.init_params(jax.random.PRNGKey(step)))
     checkpoints.write_params_checkpoint(root, params, step=step, config=stored)
   return model
 
@@ -189,19 +186,17 @@ def _evaluate(ckpt, out, **overrides):
     num_examples=None,
   )
   kwargs.update(overrides)
-  return eval_lib.evaluate_checkpoints(_build_model, **kwargs)
+  return eval_lib.evaluate_checkpoints(**kwargs)
 
 
 def test_real_model_scores_match_score_batch_and_steps_are_skipped(tmp_path):
-  gin.bind_parameter("mesh_and_rules.num_partitions", 2)  # data=4 x model=2
+  gin.bind_parameter("Partitioner.num_partitions", 2)  # data=4 x model=2
   model = _write_checkpoint(tmp_path / "ckpt", steps=[3, 5])
   results = _evaluate(tmp_path / "ckpt", tmp_path / "out")
   assert list(results) == [3, 5]
   params = checkpoints.restore_params(
     tmp_path / "ckpt" / "5",
-    model_runner.abstract_params(
-      model, partitioning.create_mesh(), partitioning.standard_logical_axis_rules()
-    )[0],
+    partitioning.Partitioner().abstract_params(model.init_params)[0],
   )
   batch = next(
     data.eval_batches(
@@ -269,7 +264,6 @@ def test_corrupt_latest_step_is_skipped_by_eval_and_infer_and_redone_by_training
   caplog.clear()
   with caplog.at_level(logging.INFO, logger="absl"):
     infer_lib.infer(
-      _build_model,
       checkpoint_path=str(model_dir),
       output_file=str(tmp_path / "out.jsonl"),
       task_feature_lengths=lengths,
@@ -293,7 +287,7 @@ def test_corrupt_latest_step_is_skipped_by_eval_and_infer_and_redone_by_training
   assert {moved / p.relative_to(model_dir / "4"): b for p, b in corrupt.items()} == {
     p: p.read_bytes() for p in moved.rglob("*") if p.is_file()
   }
-  ckpt = checkpoints.TrainCheckpointer(model_dir)
+  ckpt = train_checkpointer.TrainCheckpointer(model_dir)
   assert ckpt.all_steps() == [2, 4, 6]
   ckpt.close()
   assert list(_evaluate(model_dir, tmp_path / "eval")) == [4, 6]  # the redone step 4 is intact
@@ -326,7 +320,7 @@ def test_periodic_evaluation_inside_training(tmp_path):
   with open(tmp_path / "metrics.jsonl") as f:
     evals = [r for r in map(json.loads, f) if f"{LABELED_TASK}/accuracy" in r]
   assert [r["step"] for r in evals] == [2, 4]
-  assert all(r["split"] == "eval" and np.isfinite(r[f"{PLAIN_TASK}/loss"]) for r in evals)
+  assert all(r["split"] == "eval" and np.isfinite(r[f"{PLAIN_TASK}/nll_per_token"]) for r in evals)
   assert (tmp_path / "inference_eval" / "inferences" / f"{LABELED_TASK}-step_4.jsonl").exists()
 
 

@@ -22,8 +22,8 @@ import safetensors.numpy
 import torch
 import transformers
 
-from t5x_lite import checkpoints, hf_interop, network
-from t5x_lite.checkpoint_manifest import CheckpointNotFoundError, CorruptCheckpointError
+from t5x_lite import checkpoints, hf_interop, network, train_checkpointer
+from t5x_lite.errors import CheckpointNotFoundError, CorruptCheckpointError
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VOCAB = 128
@@ -453,7 +453,7 @@ def test_converter_to_hf_reads_training_checkpoint_config(tmp_path):
   _make_hf_model("t5_1_0").save_pretrained(path)
   config, params = hf_interop.load_hf(path)
   root, out = str(tmp_path / "train"), str(tmp_path / "hf_out")
-  ckpt = checkpoints.TrainCheckpointer(root, async_save=False)
+  ckpt = train_checkpointer.TrainCheckpointer(root, async_save=False)
   meta = {"rng": [0, 1], "model_config": dataclasses.asdict(config)}
   ckpt.save(7, params, {"count": np.zeros((), np.int32)}, meta)
   ckpt.close()

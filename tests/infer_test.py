@@ -30,8 +30,7 @@ from t5x_lite import (
   partitioning,
   preprocessors,
 )
-from t5x_lite.checkpoint_manifest import CheckpointError
-from t5x_lite.errors import ConfigError, UserError
+from t5x_lite.errors import CheckpointError, ConfigError, UserError
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VOCAB = seqio.ByteVocabulary()
@@ -57,6 +56,7 @@ if TASK not in seqio.TaskRegistry.names():
 @pytest.fixture(autouse=True)
 def _clean_gin():
   gin.clear_config()
+  gin.bind_parameter("build_model.vocabulary", VOCAB)  # infer builds its model
   yield
   gin.clear_config()
 
@@ -76,17 +76,12 @@ def _config(vocab_size: int = 320) -> network.T5Config:
   )
 
 
-def _build_model(config: network.T5Config) -> models.EncoderDecoderModel:
-  return models.EncoderDecoderModel(network.Transformer(config), VOCAB, VOCAB)
-
-
 def _write_checkpoint(root, config: network.T5Config) -> None:
-  shapes = {"encoder_input_tokens": (1, 1), "decoder_input_tokens": (1, 1)}
-  params = _build_model(config).get_initial_variables(jax.random.PRNGKey(0), shapes)
+  params = network.init_params(config, jax.random.PRNGKey(0))
   stored = {
     k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(config).items()
   }
-  checkpoints.write_params_checkpoint(root, nn.meta.unbox(params["params"]), config=stored)
+  checkpoints.write_params_checkpoint(root, nn.meta.unbox(params), config=stored)
 
 
 @pytest.fixture(scope="module")
@@ -115,7 +110,7 @@ def _infer(ckpt, output, **overrides) -> dict[str, float]:
     decode=model_runner.DecodeConfig(),
   )
   kwargs.update(overrides)
-  return infer_lib.infer(_build_model, **kwargs)
+  return infer_lib.infer(**kwargs)
 
 
 def _lines(path) -> list[dict]:
@@ -147,11 +142,11 @@ def test_one_line_per_input_and_rerun_appends_only_missing_lines(ckpt, tmp_path)
 
 
 def test_greedy_score_equals_score_of_the_greedy_tokens(ckpt):
-  model = _build_model(_config())
-  mesh, rules = partitioning.create_mesh(), partitioning.standard_logical_axis_rules()
-  abstract, shardings = model_runner.abstract_params(model, mesh, rules)
+  model = models.build_model(_config())
+  partitioner = partitioning.Partitioner()
+  abstract, shardings = partitioner.abstract_params(model.init_params)
   params = checkpoints.restore_params(ckpt, abstract)
-  runner = model_runner.ModelRunner(model, mesh, rules, shardings, model_runner.DecodeConfig(), 8)
+  runner = model_runner.ModelRunner(model, partitioner, shardings, model_runner.DecodeConfig(), 8)
   examples = infer_lib.file_examples(
     _jsonl(ckpt.parent / "greedy.jsonl", [{"inputs": t} for t in INPUTS[:8]]), model, LENGTHS
   )

@@ -79,9 +79,8 @@ def packed_batch() -> dict[str, jnp.ndarray]:
 @pytest.fixture(scope="module")
 def model_and_params():
   model = tiny_model()
-  shapes = {"encoder_input_tokens": (2, 7), "decoder_input_tokens": (2, 7)}
-  variables = jax.jit(lambda key: model.get_initial_variables(key, shapes))(jax.random.PRNGKey(0))
-  return model, meta.unbox(variables["params"])
+  params = jax.jit(model.init_params)(jax.random.PRNGKey(0))
+  return model, meta.unbox(params)
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -98,11 +97,9 @@ def _np_log_softmax(logits: np.ndarray) -> np.ndarray:
   return logits - m - np.log(np.exp(logits - m).sum(-1, keepdims=True))
 
 
-def test_initial_variables_are_boxed_with_logical_axes():
+def test_initial_params_are_boxed_with_logical_axes():
   model = tiny_model()
-  shapes = {"encoder_input_tokens": (1, 4), "decoder_input_tokens": (1, 4)}
-  key = jax.random.PRNGKey(0)
-  params = jax.eval_shape(lambda: model.get_initial_variables(key, shapes))["params"]
+  params = jax.eval_shape(model.init_params, jax.random.PRNGKey(0))
   embedding = params["token_embedder"]["embedding"]
   assert embedding.names == ("vocab", "embed")
   assert embedding.value.shape == (VOCAB, 32)

@@ -11,7 +11,7 @@ global batch was assembled from both, and gradients were reduced across processe
 Runs (module fixture, about two minutes on 2 cores):
   reference  1 process x 8 devices, mesh data=8, steps 1-4.
   multi      2 processes x 4 devices, mesh data=8, steps 1-2, joint checkpoint at 2.
-  resumed    2 processes, mesh data=4 x model=2 (`train.num_partitions=2`), resumes
+  resumed    2 processes, mesh data=4 x model=2 (`Partitioner.num_partitions=2`), resumes
              the step-2 checkpoint of `multi` and trains steps 3-4.
 """
 
@@ -26,7 +26,15 @@ import jax
 import numpy as np
 import pytest
 
-from t5x_lite import checkpoints, cli, data, partitioning, train_lib, trainer
+from t5x_lite import (
+  checkpoints,
+  gin_config,
+  models,
+  partitioning,
+  train_checkpointer,
+  train_lib,
+  trainer,
+)
 
 pytestmark = pytest.mark.slow  # subprocess runs of the entry points
 
@@ -124,7 +132,7 @@ def runs(tmp_path_factory):
   dirs = {name: str(root / name) for name in ("reference", "multi")}
   _train(config, dirs["reference"], 4, str(root), 1)
   _train(config, dirs["multi"], 2, str(root), 2)
-  _train(config, dirs["multi"], 4, str(root), 2, "--gin.train.num_partitions=2")
+  _train(config, dirs["multi"], 4, str(root), 2, "--gin.Partitioner.num_partitions=2")
   dirs["config"] = config
   return dirs
 
@@ -144,15 +152,13 @@ def test_resume_on_data4_model2_mesh_continues_training(runs):
     assert multi[step] == pytest.approx(reference[step], rel=1e-4), step
 
 
-def _restore(config: str, model_dir: str, step: int, mesh: jax.sharding.Mesh):
+def _restore(config: str, model_dir: str, step: int, partitioner: partitioning.Partitioner):
   gin.clear_config()
-  cli.parse_gin([config], [])
-  model = train_lib.build_model()
+  gin_config.parse_gin([config], [])
+  model = models.build_model()
   bindings = gin.get_bindings(train_lib.train)
-  shapes = data.model_input_shapes(bindings["train_dataset_cfg"])
-  rules = partitioning.standard_logical_axis_rules()
-  abstract, _ = trainer.abstract_train_state(model, bindings["optimizer"], shapes, mesh, rules)
-  ckpt = checkpoints.TrainCheckpointer(model_dir)
+  abstract, _ = trainer.abstract_train_state(model, bindings["optimizer"], partitioner)
+  ckpt = train_checkpointer.TrainCheckpointer(model_dir)
   try:
     return ckpt.restore(step, abstract.params, abstract.opt_state)
   finally:
@@ -161,10 +167,10 @@ def _restore(config: str, model_dir: str, step: int, mesh: jax.sharding.Mesh):
 
 
 def test_joint_checkpoint_restores_in_one_process(runs):
-  mesh = partitioning.create_mesh(num_partitions=1)
+  partitioner = partitioning.Partitioner(num_partitions=1)
   for step in (2, 4):
-    multi = _restore(runs["config"], runs["multi"], step, mesh)
-    reference = _restore(runs["config"], runs["reference"], step, mesh)
+    multi = _restore(runs["config"], runs["multi"], step, partitioner)
+    reference = _restore(runs["config"], runs["reference"], step, partitioner)
     leaves = jax.tree.leaves(multi.params)
     assert len(leaves) > 10 and all(x.is_fully_addressable for x in leaves)
     for got, want in zip(leaves, jax.tree.leaves(reference.params)):

@@ -136,3 +136,38 @@ def test_sharded_forward_matches_unsharded():
   # The logits constraint ('batch', 'length', 'vocab') decides the output layout.
   assert logits.sharding.spec == P('data', None, 'model')
   np.testing.assert_allclose(np.asarray(logits), np.asarray(expected), atol=1e-5)
+
+
+def test_partitioner_carries_mesh_rules_and_abstract_params():
+  partitioner = partitioning.Partitioner(num_partitions=2, fsdp=True)
+  assert dict(partitioner.mesh.shape) == {'data': 4, 'model': 2}
+  assert partitioner.data_size == 4
+  assert partitioner.rules == partitioning.standard_logical_axis_rules(fsdp=True)
+
+  def init(key):  # a PRNG key would fail on compile-only devices: only its shape is used
+    assert isinstance(key, jax.core.Tracer)
+    kernel = nn.initializers.normal()(key, (16, 8))
+    return {'kernel': nn.LogicallyPartitioned(kernel, ('embed', 'mlp'))}
+
+  abstract, shardings = partitioner.abstract_params(init)
+  assert abstract['kernel'].shape == (16, 8)
+  assert abstract['kernel'].sharding.spec == P('data', 'model')
+  assert shardings['kernel'] == abstract['kernel'].sharding
+
+
+def test_partitioner_jit_runs_and_lowers_the_same_function_in_its_context():
+  partitioner = partitioning.Partitioner(num_partitions=2)
+
+  def double(x):  # the logical constraint resolves only under the partitioner's rules
+    return 2 * nn.with_logical_constraint(x, ('batch', 'mlp'))
+
+  fn = partitioner.jit(double, partitioner.batch_sharding, partitioner.batch_sharding)
+  x = jnp.arange(32.0).reshape(8, 4)
+  np.testing.assert_array_equal(fn(x), 2 * x)
+  lowered = fn.lower(jax.ShapeDtypeStruct((8, 4), jnp.float32, sharding=partitioner.batch_sharding))
+  assert 'sharding_constraint' in lowered.as_text()  # lowered under the partitioner's rules
+
+
+def test_partitioner_rejects_num_partitions_that_do_not_divide_devices():
+  with pytest.raises(ValueError, match='does not match 8 devices'):
+    partitioning.Partitioner(num_partitions=3)

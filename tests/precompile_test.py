@@ -67,9 +67,10 @@ def test_mesh_that_does_not_divide_chips_names_both_numbers():
   with pytest.raises(
     precompile.PrecompileError, match=r"num_partitions=3 .* the 8 chips of v5e:2x4"
   ):
-    precompile.slice_mesh(jax.devices()[:8], "v5e:2x4", 3)
-  mesh = precompile.slice_mesh(jax.devices()[:8], "v5e:2x4", 2)
-  assert dict(mesh.shape) == {"data": 4, "model": 2}
+    precompile.slice_partitioner(jax.devices()[:8], "v5e:2x4", 3, False)
+  partitioner = precompile.slice_partitioner(jax.devices()[:8], "v5e:2x4", 2, True)
+  assert dict(partitioner.mesh.shape) == {"data": 4, "model": 2}
+  assert ("embed", "data") in partitioner.rules
 
 
 def test_missing_libtpu_says_how_to_install(monkeypatch):

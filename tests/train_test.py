@@ -6,7 +6,6 @@ no downloads). Subprocess tests run `python -m t5x_lite.train` on the offline
 resuming exactly, SIGTERM, kill -9.
 """
 
-import glob
 import json
 import os
 import re
@@ -16,7 +15,6 @@ import sys
 import threading
 import time
 
-import flax.linen as nn
 import gin
 import jax
 import jax.numpy as jnp
@@ -26,7 +24,17 @@ import pytest
 import seqio
 import tensorflow as tf
 
-from t5x_lite import checkpoints, cli, console, data, models, network, optimizers, train_lib
+from t5x_lite import (
+  checkpoints,
+  console,
+  data,
+  models,
+  network,
+  optimizers,
+  partitioning,
+  train_checkpointer,
+  train_lib,
+)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIXED_TASK = "train_test_fixed_pair"
@@ -147,7 +155,7 @@ def test_non_finite_loss_names_step_and_keeps_last_checkpoint(tmp_path):
   with pytest.raises(train_lib.NonFiniteLossError, match=r"at step (\d+)") as e:
     _train(tmp_path, 20, optimizer=optimizers.adamw(learning_rate=explode_after_4))
   bad_step = int(re.search(r"at step (\d+)", str(e.value)).group(1))
-  saved = checkpoints.TrainCheckpointer(tmp_path)
+  saved = train_checkpointer.TrainCheckpointer(tmp_path)
   latest = saved.latest_step()
   saved.close()
   assert latest == 4 and bad_step == 6
@@ -176,14 +184,8 @@ def test_train_returns_without_waiting_for_the_iterator_teardown(tmp_path, monke
 
 def _abstract_params(model: models.EncoderDecoderModel):
   """Unboxed abstract params on one device (restore target)."""
-  shapes = data.model_input_shapes(_dataset())
-  boxed = jax.eval_shape(
-    lambda: model.get_initial_variables(jax.random.PRNGKey(0), shapes)["params"]
-  )
-  device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-  return jax.tree.map(
-    lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), nn.meta.unbox(boxed)
-  )
+  partitioner = partitioning.Partitioner(devices=jax.devices()[:1])
+  return partitioner.abstract_params(model.init_params)[0]
 
 
 @pytest.fixture(scope="module")
@@ -191,7 +193,8 @@ def pretrained(tmp_path_factory):
   """A 2-step run of a tied-logits (T5 1.0 style) tiny model on a data=4 x model=2 mesh."""
   gin.clear_config()
   model_dir = tmp_path_factory.mktemp("pretrained")
-  _train(model_dir, 2, model=_model(logits_via_embedding=True), num_partitions=2)
+  partitioner = partitioning.Partitioner(num_partitions=2)
+  _train(model_dir, 2, model=_model(logits_via_embedding=True), partitioner=partitioner)
   return model_dir
 
 
@@ -224,40 +227,6 @@ def test_finetune_restores_params_only_and_names_missing_parameter(pretrained, t
   assert dict(mesh.shape) == {"data": 8, "model": 1}
   expected = checkpoints.restore_params(pretrained, _abstract_params(tied))
   jax.tree.map(np.testing.assert_array_equal, jax.device_get(state.params), expected)
-
-
-def test_every_gin_file_parses():
-  files = sorted(glob.glob(os.path.join(REPO, "gin", "**", "*.gin"), recursive=True))
-  assert len(files) >= 10
-  for path in files:
-    gin.clear_config()
-    cli.parse_gin([path], [])
-
-
-def test_unknown_gin_binding_is_named():
-  with pytest.raises(ValueError, match="train.total_stpes"):
-    cli.parse_gin(["quickstart.gin"], ["train.total_stpes = 3"], cli.DEFAULT_GIN_SEARCH_PATHS)
-
-
-def test_gin_shorthand_rewrite():
-  argv = cli.rewrite_gin_args(
-    [
-      "prog",
-      "--gin.MODEL_DIR=./runs/x",
-      "--gin.TRAIN_STEPS=5",
-      "--gin.train.optimizer=@adamw()",
-      "--gin_file=a.gin",
-    ]
-  )
-  assert argv == [
-    "prog",
-    "--gin_bindings=MODEL_DIR = './runs/x'",
-    "--gin_bindings=TRAIN_STEPS = 5",
-    "--gin_bindings=train.optimizer = @adamw()",
-    "--gin_file=a.gin",
-  ]
-  with pytest.raises(ValueError, match="NAME=VALUE"):
-    cli.rewrite_gin_args(["prog", "--gin.MODEL_DIR"])
 
 
 # ---------------------------------------------------------------- subprocess
@@ -393,7 +362,7 @@ def test_kill_9_then_resume_then_sigterm(tmp_path):
   process.kill()
   process.wait()
   log.close()
-  saved = checkpoints.TrainCheckpointer(model_dir)
+  saved = train_checkpointer.TrainCheckpointer(model_dir)
   latest = saved.latest_step()
   saved.close()
   assert latest >= 10
@@ -414,6 +383,6 @@ def test_kill_9_then_resume_then_sigterm(tmp_path):
   stopped_at = _records(model_dir)[-1]["step"]
   assert f"Stopped by SIGTERM at step {stopped_at}; checkpoint {model_dir}/{stopped_at}." in output
   assert stopped_at >= latest + 3
-  saved = checkpoints.TrainCheckpointer(model_dir)
+  saved = train_checkpointer.TrainCheckpointer(model_dir)
   assert saved.latest_step() == stopped_at
   saved.close()

@@ -14,7 +14,6 @@ from t5x_lite import models, network, optimizers, partitioning, trainer
 
 VOCAB = 64
 BATCH, INPUT_LEN, TARGET_LEN = 8, 8, 6
-SHAPES = {"encoder_input_tokens": (BATCH, INPUT_LEN), "decoder_input_tokens": (BATCH, TARGET_LEN)}
 
 
 def tiny_model(dropout_rate: float = 0.0, **kwargs) -> models.EncoderDecoderModel:
@@ -51,22 +50,20 @@ def make_batch(seed: int = 0) -> dict[str, np.ndarray]:
   }
 
 
-def setup(mesh, rules, optimizer=None, num_microbatches=1, **model_kwargs):
+def setup(partitioner, optimizer=None, num_microbatches=1, **model_kwargs):
   model = tiny_model(**model_kwargs)
   optimizer = optimizer or optimizers.adafactor(learning_rate=0.05)
-  state, shardings = trainer.init_train_state(
-    model, optimizer, SHAPES, jax.random.PRNGKey(0), mesh, rules
-  )
-  step = trainer.make_train_step(model, optimizer, mesh, rules, shardings, num_microbatches)
+  state, shardings = trainer.init_train_state(model, optimizer, jax.random.PRNGKey(0), partitioner)
+  step = trainer.make_train_step(model, optimizer, partitioner, shardings, num_microbatches)
   return model, state, shardings, step
 
 
-def single_device_mesh():
-  return partitioning.create_mesh(devices=jax.devices()[:1])
+def single_device():
+  return partitioning.Partitioner(devices=jax.devices()[:1])
 
 
-def run_losses(mesh, rules, steps: int) -> list[float]:
-  _, state, _, step = setup(mesh, rules)
+def run_losses(partitioner, steps: int) -> list[float]:
+  _, state, _, step = setup(partitioner)
   batch, rng, result = make_batch(), jax.random.PRNGKey(1), []
   for _ in range(steps):
     state, metrics = step(state, batch, rng)
@@ -76,15 +73,11 @@ def run_losses(mesh, rules, steps: int) -> list[float]:
 
 @pytest.fixture(scope="module")
 def reference_losses():
-  return run_losses(single_device_mesh(), partitioning.standard_logical_axis_rules(), 3)
+  return run_losses(single_device(), 3)
 
 
 def test_loss_falls_on_repeated_batch():
-  _, state, _, step = setup(
-    single_device_mesh(),
-    partitioning.standard_logical_axis_rules(),
-    optimizers.adamw(learning_rate=1e-2, weight_decay=0.0),
-  )
+  _, state, _, step = setup(single_device(), optimizers.adamw(learning_rate=1e-2, weight_decay=0.0))
   batch, rng, losses = make_batch(), jax.random.PRNGKey(1), []
   for _ in range(30):
     state, metrics = step(state, batch, rng)
@@ -97,18 +90,16 @@ def test_loss_falls_on_repeated_batch():
   assert float(metrics["accuracy"]) > 0.5
 
 
-@pytest.mark.parametrize("data,model,fsdp", [(8, 1, False), (4, 2, False), (4, 2, True)])
-def test_sharded_runs_match_single_device(reference_losses, data, model, fsdp):
-  mesh = partitioning.create_mesh(data=data, model=model)
-  rules = partitioning.standard_logical_axis_rules(fsdp=fsdp)
-  np.testing.assert_allclose(run_losses(mesh, rules, 3), reference_losses, rtol=1e-4)
+@pytest.mark.parametrize("model,fsdp", [(1, False), (2, False), (2, True)])
+def test_sharded_runs_match_single_device(reference_losses, model, fsdp):
+  partitioner = partitioning.Partitioner(num_partitions=model, fsdp=fsdp)  # data = 8 / model
+  np.testing.assert_allclose(run_losses(partitioner, 3), reference_losses, rtol=1e-4)
   assert reference_losses[2] < reference_losses[0]
 
 
 def test_state_shardings_follow_logical_axes():
-  mesh = partitioning.create_mesh(data=4, model=2)
-  rules = partitioning.standard_logical_axis_rules(fsdp=True)
-  _, state, shardings, _ = setup(mesh, rules, optimizers.adamw(learning_rate=1e-3))
+  partitioner = partitioning.Partitioner(num_partitions=2, fsdp=True)  # data=4 x model=2
+  _, state, shardings, _ = setup(partitioner, optimizers.adamw(learning_rate=1e-3))
   wi = ("decoder", "layers_0", "mlp", "wi_0", "kernel")
 
   def get(tree, path):
@@ -125,7 +116,7 @@ def test_state_shardings_follow_logical_axes():
   assert shardings.params["token_embedder"]["embedding"].spec == PartitionSpec("model", "data")
   model = tiny_model()
   abstract, abstract_shardings = trainer.abstract_train_state(
-    model, optimizers.adamw(learning_rate=1e-3), SHAPES, mesh, rules
+    model, optimizers.adamw(learning_rate=1e-3), partitioner
   )
   assert abstract_shardings == shardings
   assert jax.tree.map(lambda x: (x.shape, x.sharding), abstract) == jax.tree.map(
@@ -138,7 +129,7 @@ def test_state_shardings_follow_logical_axes():
     jaxpr = jax.make_jaxpr(loss_fn)(abstract.params, make_batch())
     return str(jaxpr)
 
-  with trainer.sharding_context(mesh, rules):
+  with partitioner.context():
     assert "sharding_constraint" in trace()
   assert "sharding_constraint" not in trace()
 
@@ -166,8 +157,7 @@ def test_adafactor_factored_statistics_shardings():
 @pytest.mark.parametrize("normalizer", ["NUM_REAL_TARGET_TOKENS", "AVERAGE_PER_SEQUENCE"])
 def test_microbatches_give_the_same_update(normalizer):
   # Per-microbatch normalization would differ here: rows have different lengths.
-  mesh = partitioning.create_mesh(data=2, model=1, devices=jax.devices()[:2])
-  rules = partitioning.standard_logical_axis_rules()
+  partitioner = partitioning.Partitioner(devices=jax.devices()[:2])  # data=2 x model=1
   batch, rng = make_batch(3), jax.random.PRNGKey(2)
   results = []
   for num_microbatches in (1, 2):
@@ -175,7 +165,7 @@ def test_microbatches_give_the_same_update(normalizer):
     # amplifies rounding in near-zero gradients).
     sgd = optimizers.Optimizer(tx=optax.sgd(0.5), schedule=optax.constant_schedule(0.5))
     _, state, _, step = setup(
-      mesh, rules, sgd, num_microbatches, loss_normalizing_factor=normalizer
+      partitioner, sgd, num_microbatches, loss_normalizing_factor=normalizer
     )
     state, metrics = step(state, batch, rng)
     results.append((jax.device_get(state.params), jax.device_get(metrics)))
@@ -188,9 +178,8 @@ def test_microbatches_give_the_same_update(normalizer):
 
 
 def test_donation_resume_determinism_and_eval_step():
-  mesh = partitioning.create_mesh(data=4, model=2)
-  rules = partitioning.standard_logical_axis_rules()
-  model, state, shardings, step = setup(mesh, rules, dropout_rate=0.1)
+  partitioner = partitioning.Partitioner(num_partitions=2)  # data=4 x model=2
+  model, state, shardings, step = setup(partitioner, dropout_rate=0.1)
   batch, rng = make_batch(), jax.random.PRNGKey(5)
   first, _ = step(state, batch, rng)
   assert jax.tree.leaves(state.params)[0].is_deleted()  # donated
@@ -201,7 +190,7 @@ def test_donation_resume_determinism_and_eval_step():
   # Dropout keys come from (rng, step): a restored step-1 state repeats step 2 exactly.
   _, resumed_metrics = step(jax.device_put(saved, shardings), batch, rng)
   assert float(resumed_metrics["loss"]) == float(metrics["loss"])
-  eval_step = trainer.make_eval_step(model, mesh, rules, shardings)
+  eval_step = trainer.make_eval_step(model, partitioner, shardings.params)
   eval_metrics = eval_step(second.params, batch)
   expected_loss, _ = jax.jit(model.eval_fn)(jax.device_get(second.params), batch)
   np.testing.assert_allclose(eval_metrics["loss"], expected_loss, rtol=1e-5)

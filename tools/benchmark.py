@@ -188,19 +188,12 @@ def measure_ours_train(
   s: Settings, model: models.EncoderDecoderModel, params_out: dict
 ) -> dict[str, float]:
   """Trains with the real train step; stores the initial params (numpy) in params_out."""
-  mesh = partitioning.create_mesh()
-  rules = partitioning.standard_logical_axis_rules()
+  partitioner = partitioning.Partitioner()
   optimizer = optimizers.adafactor(learning_rate=s.learning_rate)
-  shapes = {
-    "encoder_input_tokens": (s.batch_size, s.input_length),
-    "decoder_input_tokens": (s.batch_size, s.target_length),
-  }
-  state, shardings = trainer.init_train_state(
-    model, optimizer, shapes, jax.random.PRNGKey(0), mesh, rules
-  )
+  state, shardings = trainer.init_train_state(model, optimizer, jax.random.PRNGKey(0), partitioner)
   params_out["params"] = jax.device_get(state.params)
-  step = trainer.make_train_step(model, optimizer, mesh, rules, shardings)
-  batch = jax.device_put(random_batch(s), partitioning.batch_sharding(mesh))
+  step = trainer.make_train_step(model, optimizer, partitioner, shardings)
+  batch = jax.device_put(random_batch(s), partitioner.batch_sharding)
   rng = jax.random.PRNGKey(1)
   compile_seconds = []
 
@@ -423,13 +416,7 @@ def run_benchmark(s: Settings) -> dict[str, Any]:
   if "train" not in s.skip:
     raw.update(measure_ours_train(s, model, holder))
   else:
-    holder["params"] = jax.device_get(
-      nn.meta.unbox(
-        model.get_initial_variables(
-          jax.random.PRNGKey(0), {"encoder_input_tokens": (1, 8), "decoder_input_tokens": (1, 8)}
-        )["params"]
-      )
-    )
+    holder["params"] = jax.device_get(nn.meta.unbox(model.init_params(jax.random.PRNGKey(0))))
   raw["num_params"] = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(holder["params"]))
   if "decode" not in s.skip:
     ours_decode = measure_ours_decode(s, model, holder["params"])

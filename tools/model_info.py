@@ -17,6 +17,7 @@ binding is reported as one `ERROR: <message>` line on stderr with exit status 1.
 from t5x_lite import console  # first: quiets TensorFlow and JAX start-up
 
 import dataclasses
+import functools
 import json
 import math
 from collections.abc import Sequence
@@ -36,12 +37,8 @@ _JSON = flags.DEFINE_bool('json', False, 'Print a JSON summary as the last stdou
 
 def param_breakdown(config: network.T5Config) -> dict[str, int]:
   """Parameter counts per part: embedding, encoder, decoder (without logits), logits."""
-  model = network.Transformer(config)
-  tokens = jnp.ones((1, 4), jnp.int32)
-  abstract = jax.eval_shape(
-    lambda: model.init(jax.random.PRNGKey(0), tokens, tokens, tokens, enable_dropout=False)
-  )
-  params = meta.unbox(abstract['params'])
+  key = jax.ShapeDtypeStruct((2,), jnp.uint32)
+  params = meta.unbox(jax.eval_shape(functools.partial(network.init_params, config), key))
 
   def count(tree) -> int:
     return sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(tree))

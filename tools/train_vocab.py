@@ -31,7 +31,7 @@ import tensorflow as tf
 from absl import app, flags
 
 from t5x_lite import cache, data, errors, file_sources, vocab
-from t5x_lite.checkpoint_manifest import absolute_path, not_a_directory, shown
+from t5x_lite.paths import absolute_path, not_a_directory, shown
 from t5x_lite.errors import ConfigError
 
 _INPUT_FILES = flags.DEFINE_list("input_files", [], "Text files, one example per line.")
