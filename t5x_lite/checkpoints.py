@@ -33,6 +33,7 @@ shapes differ instead of a silent re-initialisation.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Collection, Mapping
 from typing import Any
@@ -257,13 +258,17 @@ def model_config(step_dir: epath.Path) -> network.T5Config:
   stored = stored_config_fields(step_dir) or {}
   bound = gin.get_bindings(network.T5Config)
   fields = {k: tuple(v) if isinstance(v, list) else v for k, v in stored.items() if k not in bound}
-  try:
-    config = network.T5Config(**fields)  # gin supplies the bound fields
-  except TypeError as e:
+  required = [
+    f.name
+    for f in dataclasses.fields(network.T5Config)
+    if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+  ]
+  if missing := [name for name in required if name not in fields and name not in bound]:
     raise ConfigError(
-      f"{step_dir} stores no complete model config ({e}); pass the model's gin file, "
-      "e.g. --gin_file=models/t5_1_1/small.gin."
-    ) from e
+      f"{step_dir} stores no model config and gin binds no T5Config.{{{', '.join(missing)}}}; "
+      "pass the model's gin file, e.g. --gin_file=models/t5_1_1/small.gin."
+    )
+  config = network.T5Config(**fields)  # gin supplies the bound fields
   logging.info(
     "Model config (checkpoint %s, gin overrides %s): %s", step_dir, sorted(bound), config
   )

@@ -1,7 +1,10 @@
 """Tests for t5x_lite.checkpoints and t5x_lite.checkpoint_manifest."""
 
+import dataclasses
 import json
 from pathlib import Path
+
+import gin
 
 import jax
 import jax.numpy as jnp
@@ -12,7 +15,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from t5x_lite import checkpoints, train_checkpointer
 from t5x_lite.checkpoint_manifest import FILE_MANIFEST
-from t5x_lite.errors import CheckpointError, CorruptCheckpointError, UserError
+from t5x_lite.errors import CheckpointError, ConfigError, CorruptCheckpointError, UserError
+from tiny_models import tiny_config
 
 
 @pytest.fixture(scope="module")
@@ -301,3 +305,24 @@ def test_training_restore_without_an_intact_step_names_every_bad_file(tmp_path, 
       _abstract(_params(), mesh), _abstract(jax.eval_shape(optimizer.init, _params()), mesh)
     )
   ckpt.close()
+
+
+def test_model_config_is_the_stored_one_with_gin_overrides(tmp_path):
+  stored = tiny_config()
+  fields = {
+    k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(stored).items()
+  }
+  step_dir = checkpoints.write_params_checkpoint(tmp_path / "hf", _params(), config=fields)
+  gin.clear_config()
+  try:
+    assert checkpoints.model_config(step_dir) == stored
+    gin.bind_parameter("T5Config.dropout_rate", 0.3)
+    assert checkpoints.model_config(step_dir) == dataclasses.replace(stored, dropout_rate=0.3)
+    bare = checkpoints.write_params_checkpoint(tmp_path / "bare", _params())
+    with pytest.raises(ConfigError) as e:
+      checkpoints.model_config(bare)
+    message = str(e.value)
+    assert "\n" not in message and "gin binds no T5Config.{vocab_size, emb_dim" in message
+    assert "dropout_rate" not in message and "--gin_file=models/t5_1_1/small.gin" in message
+  finally:
+    gin.clear_config()
