@@ -37,6 +37,7 @@ from t5x_lite import (
 )
 from t5x_lite.checkpoint_manifest import FILE_MANIFEST
 from t5x_lite.errors import CheckpointError, ConfigError, CorruptCheckpointError
+from tiny_models import tiny_checkpoint_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VOCAB = seqio.ByteVocabulary()
@@ -149,19 +150,7 @@ def test_metrics_of_predictions_scores_and_loss_only_task(tmp_path, caplog):
   }
 
 
-def _tiny_config() -> network.T5Config:
-  return network.T5Config(
-    vocab_size=320,
-    emb_dim=32,
-    num_heads=2,
-    head_dim=16,
-    mlp_dim=64,
-    num_encoder_layers=1,
-    num_decoder_layers=1,
-    mlp_activations=("gelu", "linear"),
-    dropout_rate=0.0,
-    logits_via_embedding=False,
-  )
+_tiny_config = tiny_checkpoint_config
 
 
 def _write_checkpoint(root, steps) -> models.EncoderDecoderModel:

@@ -31,6 +31,7 @@ from t5x_lite import (
   preprocessors,
 )
 from t5x_lite.errors import CheckpointError, ConfigError, UserError
+from tiny_models import tiny_checkpoint_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VOCAB = seqio.ByteVocabulary()
@@ -62,18 +63,7 @@ def _clean_gin():
 
 
 def _config(vocab_size: int = 320) -> network.T5Config:
-  return network.T5Config(
-    vocab_size=vocab_size,
-    emb_dim=32,
-    num_heads=2,
-    head_dim=16,
-    mlp_dim=64,
-    num_encoder_layers=1,
-    num_decoder_layers=1,
-    mlp_activations=("gelu", "linear"),
-    dropout_rate=0.0,
-    logits_via_embedding=False,
-  )
+  return tiny_checkpoint_config(vocab_size=vocab_size)
 
 
 def _write_checkpoint(root, config: network.T5Config) -> None:

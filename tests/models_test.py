@@ -1,6 +1,5 @@
 """Tests for t5x_lite.models on a tiny T5."""
 
-import dataclasses
 import functools
 
 import jax
@@ -11,25 +10,10 @@ import seqio
 from flax.core import meta
 
 from t5x_lite import models, network
+from tiny_models import tiny_config
 
 VOCAB = 64
 EOS = 1
-
-
-def tiny_config(**overrides) -> network.T5Config:
-  config = network.T5Config(
-    vocab_size=VOCAB,
-    emb_dim=32,
-    num_heads=4,
-    head_dim=8,
-    mlp_dim=64,
-    num_encoder_layers=2,
-    num_decoder_layers=2,
-    mlp_activations=("gelu", "linear"),
-    dropout_rate=0.0,
-    logits_via_embedding=False,
-  )
-  return dataclasses.replace(config, **overrides)
 
 
 def tiny_model(**kwargs) -> models.EncoderDecoderModel:

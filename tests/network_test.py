@@ -10,19 +10,9 @@ import numpy as np
 import pytest
 
 from t5x_lite import network
+from tiny_models import tiny_config
 
-TINY = network.T5Config(
-  vocab_size=64,
-  emb_dim=32,
-  num_heads=4,
-  head_dim=8,
-  mlp_dim=64,
-  num_encoder_layers=2,
-  num_decoder_layers=2,
-  mlp_activations=('gelu', 'linear'),
-  dropout_rate=0.0,
-  logits_via_embedding=False,
-)
+TINY = tiny_config()
 TINY_V1_0 = dataclasses.replace(TINY, mlp_activations=('relu',), logits_via_embedding=True)
 
 ENCODER_TOKENS = jnp.array([[3, 4, 5, 6, 1, 0], [7, 8, 9, 10, 11, 1]])

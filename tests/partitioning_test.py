@@ -12,19 +12,9 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from t5x_lite import network, partitioning
+from tiny_models import tiny_config
 
-TINY = network.T5Config(
-  vocab_size=64,
-  emb_dim=32,
-  num_heads=4,
-  head_dim=8,
-  mlp_dim=64,
-  num_encoder_layers=2,
-  num_decoder_layers=2,
-  mlp_activations=('gelu', 'linear'),
-  dropout_rate=0.0,
-  logits_via_embedding=False,
-)
+TINY = tiny_config()
 TOKENS = jnp.array([[3, 4, 5, 1]] * 4, jnp.int32)
 
 

@@ -35,6 +35,7 @@ from t5x_lite import (
   train_checkpointer,
   train_lib,
 )
+from tiny_models import tiny_checkpoint_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIXED_TASK = "train_test_fixed_pair"
@@ -73,20 +74,7 @@ def _clean_gin():
 
 
 def _model(**overrides) -> models.EncoderDecoderModel:
-  fields = dict(
-    vocab_size=320,
-    emb_dim=32,
-    num_heads=2,
-    head_dim=16,
-    mlp_dim=64,
-    num_encoder_layers=1,
-    num_decoder_layers=1,
-    mlp_activations=("gelu", "linear"),
-    dropout_rate=0.0,
-    logits_via_embedding=False,
-  )
-  fields.update(overrides)
-  module = network.Transformer(network.T5Config(**fields))
+  module = network.Transformer(tiny_checkpoint_config(**overrides))
   return models.EncoderDecoderModel(
     module, VOCAB, VOCAB, loss_normalizing_factor="NUM_REAL_TARGET_TOKENS"
   )

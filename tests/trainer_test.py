@@ -11,23 +11,15 @@ import seqio
 from jax.sharding import PartitionSpec
 
 from t5x_lite import models, network, optimizers, partitioning, trainer
+from tiny_models import tiny_config
 
 VOCAB = 64
 BATCH, INPUT_LEN, TARGET_LEN = 8, 8, 6
 
 
 def tiny_model(dropout_rate: float = 0.0, **kwargs) -> models.EncoderDecoderModel:
-  config = network.T5Config(
-    vocab_size=VOCAB,
-    emb_dim=32,
-    num_heads=4,
-    head_dim=8,
-    mlp_dim=64,
-    num_encoder_layers=1,
-    num_decoder_layers=1,
-    mlp_activations=("gelu", "linear"),
-    dropout_rate=dropout_rate,
-    logits_via_embedding=False,
+  config = tiny_config(
+    vocab_size=VOCAB, num_encoder_layers=1, num_decoder_layers=1, dropout_rate=dropout_rate
   )
   vocab = seqio.PassThroughVocabulary(VOCAB, eos_id=1)
   return models.EncoderDecoderModel(network.Transformer(config), vocab, vocab, **kwargs)
