@@ -62,6 +62,14 @@ class EncoderDecoderModel:
     """Boxed initial params (`nn.LogicallyPartitioned` leaves) from one PRNG key."""
     return network.init_params(self.module.config, rng)
 
+  def param_axes(self) -> PyTree:
+    """The params' tree of logical axis names (a `PartitionSpec` of names per leaf).
+
+    Nothing is allocated: the params are traced with an abstract key.
+    """
+    boxed = jax.eval_shape(self.init_params, jax.ShapeDtypeStruct((2,), jnp.uint32))
+    return nn.get_partition_spec(boxed)
+
   # ------------------------------------------------------------------ loss
 
   def _logits(self, params: PyTree, batch: Batch, dropout_rng: jax.Array | None) -> jax.Array:

@@ -4,11 +4,20 @@ Factories return an `Optimizer`: an optax `GradientTransformation` (`tx`) togeth
 its learning-rate `schedule`, so the trainer can report the learning rate of each step
 without reading it back from the optimizer state.
 
-Adafactor follows T5's defaults (T5X `adafactor.Adafactor` / Mesh TensorFlow):
-factored second moments for parameters whose two largest dims are >= 128, second-moment
-decay `1 - t**-0.8` with t = step + 1 (optax's `_decay_rate_pow`), update clipping at
-block RMS 1.0, updates scaled by max(RMS(param), 1e-3), no momentum, epsilon 1e-30 added
-to squared gradients, no weight decay.
+Adafactor follows T5's defaults and T5X's `adafactor.Adafactor` with its standard
+logical factor rules: second-moment decay `1 - t**-0.8` with t = step + 1, update
+clipping at block RMS 1.0, updates scaled by max(RMS(param), 1e-3), no momentum,
+epsilon 1e-30 added to squared gradients, no weight decay. Second moments are factored
+as T5X factors them, by the parameters' logical axes (`FACTOR_RULES`): a parameter of
+rank 3 or more is split into row axes ('embed') and column axes ('heads', 'kv', 'mlp',
+'vocab'), so an attention kernel [embed, heads, kv] keeps a row vector [embed] and a
+column matrix [heads, kv] instead of a full [embed, heads, kv] second moment; a
+parameter of rank 1 or 2 falls back to factoring its two largest dims when both are >=
+`min_dim_size_to_factor` (128). A 'layers' axis (scanned layers) is a batch axis:
+statistics, clipping and parameter scale are computed per layer, as for unscanned
+layers. The logical axes reach the optimizer through `Optimizer.with_param_axes`
+(`t5x_lite.trainer` calls it with `EncoderDecoderModel.param_axes()`); without them
+every parameter uses the rank-1/2 rule and higher ranks stay unfactored.
 
 Sharding of the optimizer state (done by `trainer.opt_state_shardings`): optax keeps
 per-parameter statistics in sub-trees with exactly the parameter tree's structure
@@ -19,12 +28,16 @@ O(rows + cols) per matrix, negligible next to the parameters.
 """
 
 import dataclasses
-from typing import Any, Callable, Union
+from collections.abc import Mapping
+from typing import Any, Callable, NamedTuple, Union
 
 import gin
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
+
+from t5x_lite.errors import ConfigError
 
 Schedule = Callable[[jax.Array], jax.Array]
 ScalarOrSchedule = Union[float, Schedule]
@@ -41,6 +54,23 @@ class Optimizer:
 
   tx: optax.GradientTransformation
   schedule: Schedule
+  # param_axes -> tx, for optimizers whose update depends on logical axes (Adafactor).
+  build: Callable[[Any], optax.GradientTransformation] | None = None
+
+  def with_param_axes(self, param_axes: Any) -> "Optimizer":
+    """This optimizer for parameters with these logical axes.
+
+    Args:
+      param_axes: the params' tree with a tuple of logical axis names per leaf
+        (e.g. a `PartitionSpec` from `EncoderDecoderModel.param_axes()`).
+
+    Returns:
+      An optimizer whose `tx` uses the axes (Adafactor's factoring); `self` when
+      the optimizer does not depend on them.
+    """
+    if self.build is None:
+      return self
+    return dataclasses.replace(self, tx=self.build(param_axes), build=None)
 
   def init(self, params: Any) -> optax.OptState:
     """Initial optimizer state for `params`."""
@@ -134,6 +164,188 @@ def warmup_cosine(
   )
 
 
+# T5X's standard logical factor rules (`t5x.adafactor.standard_logical_factor_rules`).
+ROW, COLUMN, BATCH, NONE = "row", "column", "batch", "none"
+FACTOR_RULES: Mapping[str, str] = {
+  "vocab": COLUMN,
+  "embed": ROW,
+  "mlp": COLUMN,
+  "heads": COLUMN,
+  "kv": COLUMN,
+  "relpos_buckets": NONE,
+  "layers": BATCH,
+}
+
+
+class Factoring(NamedTuple):
+  """How Adafactor treats one parameter.
+
+  Attributes:
+    averaging_dims: dims that the RMS of clipping and parameter scale averages over
+      (all but batch dims).
+    rows: row dims of a factored second moment (empty: not factored).
+    cols: column dims.
+  """
+
+  averaging_dims: tuple[int, ...]
+  rows: tuple[int, ...]
+  cols: tuple[int, ...]
+
+  @property
+  def factored(self) -> bool:
+    return bool(self.rows) and bool(self.cols)
+
+
+def factoring(
+  shape: tuple[int, ...],
+  axes: tuple[str | None, ...] | None,
+  min_dim_size_to_factor: int = 128,
+  rules: Mapping[str, str] = FACTOR_RULES,
+) -> Factoring:
+  """T5X's factoring of one parameter from its shape and logical axes.
+
+  Rank <= 2 without a batch axis (or without axes): the two largest dims, when the
+  smaller of them is >= `min_dim_size_to_factor` (T5X's heuristic). Otherwise the
+  axes' rules: ROW dims against COLUMN dims, BATCH dims kept apart, NONE dims averaged.
+
+  Raises:
+    ConfigError: for a logical axis name missing from `rules`.
+  """
+  ndim = len(shape)
+  everything = tuple(range(ndim))
+  if axes is not None and len(axes) == ndim:
+    unknown = [name for name in axes if name not in rules]
+    if unknown:
+      raise ConfigError(
+        f"Adafactor has no factor rule for logical axis {unknown[0]!r} (of a parameter "
+        f"shaped {shape}); known axes: {sorted(rules)}."
+      )
+    kinds = [rules[name] for name in axes]
+    batch = tuple(d for d in everything if kinds[d] == BATCH)
+    if ndim > 2 or batch:
+      rows = tuple(d for d in everything if kinds[d] == ROW)
+      cols = tuple(d for d in everything if kinds[d] == COLUMN)
+      averaging = tuple(d for d in everything if d not in batch)
+      return Factoring(averaging, rows, cols) if rows and cols else Factoring(averaging, (), ())
+  if ndim < 2 or (ndim > 2 and axes is None):
+    return Factoring(everything, (), ())
+  by_size = np.argsort(shape, kind="stable")
+  if shape[by_size[-2]] < min_dim_size_to_factor:
+    return Factoring(everything, (), ())
+  return Factoring(everything, (int(by_size[-2]),), (int(by_size[-1]),))
+
+
+class FactoredRmsState(NamedTuple):
+  """Adafactor statistics; unused entries of a parameter are (1,) placeholders.
+
+  Attributes:
+    count: number of updates so far (int32).
+    v_row: params-shaped tree: EMA of squared gradients averaged over column dims.
+    v_col: the same averaged over row dims.
+    v: the full EMA for unfactored parameters.
+  """
+
+  count: jax.Array
+  v_row: Any
+  v_col: Any
+  v: Any
+
+
+def scale_by_factored_rms(
+  factorings: Any,
+  decay_rate: float,
+  decay_offset: int,
+  epsilon: float,
+  clipping_threshold: float | None,
+  multiply_by_parameter_scale: bool,
+) -> optax.GradientTransformation:
+  """T5X's Adafactor update before the learning rate: y = g / sqrt(v), clipped, scaled.
+
+  Args:
+    factorings: params-shaped tree of `Factoring` (or a callable params -> that tree).
+    decay_rate: second-moment decay exponent (beta2_t = 1 - t**-decay_rate).
+    decay_offset: step offset of the decay.
+    epsilon: added to squared gradients.
+    clipping_threshold: clip each parameter's update to this RMS (None: off).
+    multiply_by_parameter_scale: multiply by max(RMS(param), 1e-3).
+  """
+
+  def resolve(params: Any) -> Any:
+    return factorings(params) if callable(factorings) else factorings
+
+  def is_factoring(x: Any) -> bool:
+    return isinstance(x, Factoring)
+
+  def init(params: Any) -> FactoredRmsState:
+    plan = resolve(params)
+    placeholder = jnp.zeros((1,), jnp.float32)
+
+    def rows(f: Factoring, p: jax.Array) -> jax.Array:
+      if not f.factored:
+        return placeholder
+      return jnp.zeros(np.delete(p.shape, f.cols), jnp.float32)  # [shape without cols]
+
+    def cols(f: Factoring, p: jax.Array) -> jax.Array:
+      if not f.factored:
+        return placeholder
+      return jnp.zeros(np.delete(p.shape, f.rows), jnp.float32)  # [shape without rows]
+
+    def full(f: Factoring, p: jax.Array) -> jax.Array:
+      return placeholder if f.factored else jnp.zeros(p.shape, jnp.float32)
+
+    return FactoredRmsState(
+      count=jnp.zeros((), jnp.int32),
+      v_row=jax.tree.map(rows, plan, params, is_leaf=is_factoring),
+      v_col=jax.tree.map(cols, plan, params, is_leaf=is_factoring),
+      v=jax.tree.map(full, plan, params, is_leaf=is_factoring),
+    )
+
+  def update(grads: Any, state: FactoredRmsState, params: Any = None):
+    if params is None:
+      raise ValueError("Adafactor needs the params (multiply_by_parameter_scale).")
+    plan = resolve(params)
+    t = jnp.asarray(state.count - decay_offset + 1, jnp.float32)
+    decay = 1.0 - t ** (-decay_rate)
+
+    def one(f: Factoring, g: jax.Array, p: jax.Array, vr: jax.Array, vc: jax.Array, v: jax.Array):
+      g = g.astype(jnp.float32)
+      g2 = g * g + epsilon
+      if f.factored:
+        vr = decay * vr + (1 - decay) * jnp.mean(g2, axis=f.cols)  # [shape without cols]
+        vc = decay * vc + (1 - decay) * jnp.mean(g2, axis=f.rows)  # [shape without rows]
+        rows_in_vr = tuple(d - sum(c < d for c in f.cols) for d in f.rows)
+        row_factor = (vr / jnp.mean(vr, axis=rows_in_vr, keepdims=True)) ** -0.5
+        y = g * jnp.expand_dims(row_factor, f.cols) * jnp.expand_dims(vc**-0.5, f.rows)
+      else:
+        v = decay * v + (1 - decay) * g2
+        y = g * v**-0.5
+      if clipping_threshold is not None:
+        rms = jnp.sqrt(jnp.mean(y * y, axis=f.averaging_dims, keepdims=True))
+        y = y / jnp.maximum(1.0, rms / clipping_threshold)
+      if multiply_by_parameter_scale:
+        p = p.astype(jnp.float32)
+        scale = jnp.sqrt(jnp.mean(p * p, axis=f.averaging_dims, keepdims=True))
+        y = y * jnp.maximum(scale, 1e-3)
+      return y.astype(g.dtype), vr, vc, v
+
+    treedef = jax.tree.structure(params)
+    results = [
+      one(*args)
+      for args in zip(
+        treedef.flatten_up_to(plan),
+        treedef.flatten_up_to(grads),
+        treedef.flatten_up_to(params),
+        treedef.flatten_up_to(state.v_row),
+        treedef.flatten_up_to(state.v_col),
+        treedef.flatten_up_to(state.v),
+      )
+    ]
+    updates, v_row, v_col, v = (treedef.unflatten(list(r)) for r in zip(*results))
+    return updates, FactoredRmsState(state.count + 1, v_row, v_col, v)
+
+  return optax.GradientTransformation(init, update)
+
+
 @gin.configurable
 def adafactor(
   learning_rate: ScalarOrSchedule = gin.REQUIRED,
@@ -146,14 +358,15 @@ def adafactor(
   weight_decay_rate: float | None = None,
   epsilon: float = 1e-30,
   factored: bool = True,
+  factor_rules: Mapping[str, str] = FACTOR_RULES,
   clip_grad_norm: float | None = None,
 ) -> Optimizer:
-  """Adafactor with T5 defaults (see module docstring).
+  """Adafactor with T5 defaults, factored as T5X factors it (see module docstring).
 
   Args:
     learning_rate: a float or a schedule (e.g. `rsqrt_with_warmup()`).
-    min_dim_size_to_factor: factor second moments only if the two largest dims are
-      at least this big.
+    min_dim_size_to_factor: a rank-1/2 parameter is factored only if its two largest
+      dims are at least this big.
     decay_rate: second-moment decay exponent: beta2_t = 1 - (t)**-decay_rate.
     decay_offset: step offset for the decay (fine-tuning from a pretrained state).
     multiply_by_parameter_scale: scale updates by max(RMS(param), 1e-3).
@@ -161,26 +374,46 @@ def adafactor(
     momentum: first-moment decay (None: no momentum, as in T5).
     weight_decay_rate: decoupled weight decay (None: off).
     epsilon: added to squared gradients.
-    factored: use factored second moments.
+    factored: use factored second moments (False: full second moments everywhere).
+    factor_rules: logical axis name -> 'row', 'column', 'batch' or 'none'
+      (default T5X's standard rules, `FACTOR_RULES`).
     clip_grad_norm: clip gradients to this global norm first (None: off).
 
   Returns:
-    An `Optimizer`.
+    An `Optimizer`; `with_param_axes` gives it the parameters' logical axes.
   """
   schedule = _as_schedule(learning_rate)
-  tx = optax.adafactor(
-    learning_rate=schedule,
-    min_dim_size_to_factor=min_dim_size_to_factor,
-    decay_rate=decay_rate,
-    decay_offset=decay_offset,
-    multiply_by_parameter_scale=multiply_by_parameter_scale,
-    clipping_threshold=clipping_threshold,
-    momentum=momentum,
-    weight_decay_rate=weight_decay_rate,
-    eps=epsilon,
-    factored=factored,
-  )
-  return Optimizer(tx=_with_clipping(tx, clip_grad_norm), schedule=schedule)
+
+  def build(param_axes: Any) -> optax.GradientTransformation:
+    def plan(params: Any) -> Any:
+      treedef = jax.tree.structure(params)
+      axes = (
+        treedef.flatten_up_to(param_axes) if param_axes is not None else [None] * treedef.num_leaves
+      )
+      return treedef.unflatten(
+        [
+          factoring(p.shape, tuple(a) if a is not None else None, min_dim_size_to_factor, rules)
+          if factored
+          else Factoring(tuple(range(p.ndim)), (), ())
+          for p, a in zip(treedef.flatten_up_to(params), axes)
+        ]
+      )
+
+    rules = dict(factor_rules)
+    tx = [
+      scale_by_factored_rms(
+        plan, decay_rate, decay_offset, epsilon, clipping_threshold, multiply_by_parameter_scale
+      ),
+      optax.scale_by_learning_rate(schedule, flip_sign=False),
+    ]
+    if momentum is not None:
+      tx.append(optax.ema(momentum, debias=False))
+    if weight_decay_rate is not None:
+      tx.append(optax.add_decayed_weights(weight_decay_rate))
+    tx.append(optax.scale(-1))
+    return _with_clipping(optax.chain(*tx), clip_grad_norm)
+
+  return Optimizer(tx=build(None), schedule=schedule, build=build)
 
 
 @gin.configurable

@@ -106,6 +106,7 @@ def abstract_train_state(
     (params by logical axes, optimizer statistics like their params, step replicated).
   """
   params, param_shardings = partitioner.abstract_params(model.init_params)
+  optimizer = optimizer.with_param_axes(model.param_axes())
   opt_state = jax.eval_shape(optimizer.init, params)
   shardings = TrainState(
     step=partitioner.replicated,
@@ -140,6 +141,7 @@ def init_train_state(
     tree of NamedSharding used for it (pass it to `make_train_step`).
   """
   _, state_shardings = abstract_train_state(model, optimizer, partitioner)
+  optimizer = optimizer.with_param_axes(model.param_axes())
 
   def init_fn(key: jax.Array) -> TrainState:
     params = nn.meta.unbox(model.init_params(key))
@@ -284,6 +286,7 @@ def make_train_step(
     batch leaves are [global_batch, ...] sharded over 'data' (host numpy arrays are
     placed accordingly); metrics are replicated device scalars.
   """
+  optimizer = optimizer.with_param_axes(model.param_axes())
 
   def step(state: TrainState, batch: Batch, rng: jax.Array):
     return train_step(

@@ -7,7 +7,9 @@ import numpy as np
 import optax
 import pytest
 
-from t5x_lite import optimizers
+import flax.linen as nn
+
+from t5x_lite import models, network, optimizers
 
 
 def test_rsqrt_schedule_values():
@@ -33,7 +35,7 @@ def test_warmup_cosine_and_constant():
 
 def _factored_state(state):
   def is_factored(x):
-    return isinstance(x, optax.FactoredState)
+    return isinstance(x, optimizers.FactoredRmsState)
 
   leaves = [s for s in jax.tree.leaves(state, is_leaf=is_factored) if is_factored(s)]
   assert len(leaves) == 1
@@ -72,6 +74,115 @@ def test_adafactor_update_scale_is_parameter_rms_times_lr():
   opt = optimizers.adafactor(learning_rate=0.1)
   updates, _ = opt.update({"w": jnp.full((8, 8), 3.0)}, opt.init(params), params)
   np.testing.assert_allclose(updates["w"], -0.1 * 0.5, rtol=1e-5)
+
+
+def test_adafactor_without_axes_equals_optax_adafactor():
+  # Rank <= 2 parameters use the same rule as optax's Adafactor (T5X's heuristic).
+  rng = np.random.RandomState(1)
+  params = {
+    "big": jnp.asarray(rng.randn(256, 130), jnp.float32),
+    "small": jnp.asarray(rng.randn(40, 30), jnp.float32),
+    "vec": jnp.asarray(rng.randn(64), jnp.float32),
+  }
+  ours, reference = optimizers.adafactor(learning_rate=0.05), optax.adafactor(0.05)
+  ours_state, reference_state = ours.init(params), reference.init(params)
+  for step in range(3):
+    grads = jax.tree.map(lambda p, s=step: jnp.sin(p * (s + 1)), params)
+    ours_update, ours_state = ours.update(grads, ours_state, params)
+    reference_update, reference_state = reference.update(grads, reference_state, params)
+    jax.tree.map(
+      lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-7),
+      ours_update,
+      reference_update,
+    )
+    params = optax.apply_updates(params, ours_update)
+
+
+def _t5x_factored_update(param, grads, rows, cols, batch=(), lr=0.1):
+  """T5X's Adafactor by its definition, in float64 numpy, over several steps."""
+  param = np.asarray(param, np.float64)
+  averaging = tuple(d for d in range(param.ndim) if d not in batch)
+  v_row = v_col = None
+  for step, grad in enumerate(grads):
+    grad = np.asarray(grad, np.float64)
+    decay = 1.0 - (step + 1.0) ** -0.8
+    g2 = grad**2 + 1e-30
+    row_mean = g2.mean(axis=cols)  # statistics over the column dims, per row
+    col_mean = g2.mean(axis=rows)
+    v_row = row_mean if v_row is None else decay * v_row + (1 - decay) * row_mean
+    v_col = col_mean if v_col is None else decay * v_col + (1 - decay) * col_mean
+    # v ~ v_row (x) v_col / mean(v_row over rows); y = g / sqrt(v)
+    rows_in_v_row = tuple(d - sum(c < d for c in cols) for d in rows)
+    estimate = np.expand_dims(v_row, cols) * np.expand_dims(v_col, rows)
+    estimate = estimate / np.expand_dims(v_row.mean(axis=rows_in_v_row, keepdims=True), cols)
+    y = grad / np.sqrt(estimate)
+    y = y / np.maximum(1.0, np.sqrt((y**2).mean(axis=averaging, keepdims=True)))
+    scale = np.maximum(np.sqrt((param**2).mean(axis=averaging, keepdims=True)), 1e-3)
+    update = -lr * scale * y
+    param = param + update
+  return update, v_row, v_col
+
+
+@pytest.mark.parametrize(
+  "axes,shape,rows,cols,batch",
+  [
+    (("embed", "heads", "kv"), (6, 2, 3), (0,), (1, 2), ()),  # attention q/k/v kernel
+    (("heads", "kv", "embed"), (2, 3, 6), (2,), (0, 1), ()),  # attention output kernel
+    (("layers", "embed", "mlp"), (2, 5, 4), (1,), (2,), (0,)),  # scanned MLP kernel
+  ],
+)
+def test_adafactor_factors_by_logical_axes_as_t5x(axes, shape, rows, cols, batch):
+  rng = np.random.RandomState(0)
+  param = jnp.asarray(rng.randn(*shape), jnp.float32)
+  grads = [jnp.asarray(rng.randn(*shape), jnp.float32) for _ in range(3)]
+  opt = optimizers.adafactor(learning_rate=0.1).with_param_axes(
+    {"w": jax.sharding.PartitionSpec(*axes)}
+  )
+  params, state = {"w": param}, opt.init({"w": param})
+  for grad in grads:
+    update, state = opt.update({"w": grad}, state, params)
+    params = optax.apply_updates(params, update)
+  expected, v_row, v_col = _t5x_factored_update(param, grads, rows, cols, batch)
+  factored = _factored_state(state)
+  assert factored.v["w"].shape == (1,)  # no full second moment
+  np.testing.assert_allclose(factored.v_row["w"], v_row, rtol=1e-5)
+  np.testing.assert_allclose(factored.v_col["w"], v_col, rtol=1e-5)
+  np.testing.assert_allclose(update["w"], expected, rtol=1e-4, atol=1e-7)
+
+
+def test_adafactor_state_of_t5_1_1_small_matches_t5x_formula():
+  config = network.T5Config(
+    vocab_size=32128,
+    emb_dim=512,
+    num_heads=6,
+    head_dim=64,
+    mlp_dim=1024,
+    num_encoder_layers=8,
+    num_decoder_layers=8,
+    mlp_activations=("gelu", "linear"),
+    dropout_rate=0.0,
+    logits_via_embedding=False,
+  )
+  model = models.EncoderDecoderModel(network.Transformer(config), None, None)
+  key = jax.ShapeDtypeStruct((2,), jnp.uint32)
+  params = nn.meta.unbox(jax.eval_shape(model.init_params, key))
+  opt = optimizers.adafactor(learning_rate=0.01).with_param_axes(model.param_axes())
+  state = _factored_state(jax.eval_shape(opt.init, params))
+  size = sum(
+    int(np.prod(x.shape)) for t in (state.v_row, state.v_col, state.v) for x in jax.tree.leaves(t)
+  )
+  d, h, k, f, v = 512, 6, 64, 1024, 32128
+  # Factored: a row and a column statistic and a (1,) placeholder for the full one;
+  # unfactored: the full statistic and two (1,) placeholders.
+  attention = 4 * (d + h * k + 1)  # q, k, v, o: rows [d], columns [h, k]
+  mlp = 3 * (d + f + 1)  # wi_0, wi_1, wo: 2-D, both dims >= 128
+  norm = d + 2
+  encoder = 8 * (attention + mlp + 2 * norm) + norm
+  decoder = 8 * (2 * attention + mlp + 3 * norm) + norm
+  embedding_and_logits = 2 * (v + d + 1)
+  relpos = 2 * (32 * h + 2)  # [heads, buckets]: too small to factor
+  assert size == encoder + decoder + embedding_and_logits + relpos
+  assert size < 300_000  # optax's own rule keeps 19.0M elements here (attention unfactored)
 
 
 @pytest.mark.parametrize("name", ["adafactor", "adamw"])

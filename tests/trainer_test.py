@@ -140,7 +140,7 @@ def test_adafactor_factored_statistics_shardings():
   abstract = jax.eval_shape(opt.init, params)
   shardings = trainer.opt_state_shardings(abstract, params, param_shardings, mesh)
   factored = shardings[0]  # chain -> scale_by_factored_rms state
-  assert isinstance(factored, optax.FactoredState)
+  assert isinstance(factored, optimizers.FactoredRmsState)
   assert factored.v_row["big"].spec == PartitionSpec()
   assert factored.v["big"].spec == PartitionSpec()  # (1,) placeholder
   assert factored.v["vec"].spec == PartitionSpec("data")  # unfactored: follows its param
