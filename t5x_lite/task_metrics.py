@@ -6,7 +6,10 @@ Postprocessors map a decoded string to the value the metrics compare; they
 take seqio's `example` and `is_target` keyword arguments.
 """
 
+import collections
 import math
+import re
+import string
 from collections.abc import Sequence
 from typing import Any, Optional
 
@@ -17,6 +20,8 @@ import sklearn.metrics
 from rouge_score import rouge_scorer
 
 INVALID_LABEL = -1
+_PUNCTUATION = frozenset(string.punctuation)
+_ARTICLES = re.compile(r"\b(a|an|the)\b")
 
 
 def string_label_to_class_id(
@@ -90,3 +95,41 @@ def rouge(targets: Sequence[str], predictions: Sequence[str]) -> dict[str, float
     for t, p in zip(targets, predictions)
   ]
   return {t: 100.0 * float(np.mean([s[t].fmeasure for s in scores])) for t in types}
+
+
+def normalize_squad_answer(text: str) -> str:
+  """SQuAD v1.1 answer normalisation: lowercase, drop punctuation and articles, one space."""
+  text = "".join(c for c in text.lower() if c not in _PUNCTUATION)
+  return " ".join(_ARTICLES.sub(" ", text).split())
+
+
+def _token_f1(target: str, prediction: str) -> float:
+  """F1 of the bags of normalised tokens (0 when nothing is shared)."""
+  target_tokens = normalize_squad_answer(target).split()
+  predicted_tokens = normalize_squad_answer(prediction).split()
+  shared = sum(
+    (collections.Counter(target_tokens) & collections.Counter(predicted_tokens)).values()
+  )
+  if shared == 0:
+    return 0.0
+  precision, recall = shared / len(predicted_tokens), shared / len(target_tokens)
+  return 2 * precision * recall / (precision + recall)
+
+
+def squad(targets: Sequence[str | Sequence[str]], predictions: Sequence[str]) -> dict[str, float]:
+  """SQuAD v1.1 exact match and token F1, each the best over an example's answers, times 100.
+
+  Args:
+    targets: per example, the acceptable answers (or one answer string).
+    predictions: per example, the predicted answer.
+
+  Returns:
+    {"em": mean exact match, "f1": mean token F1}, both in [0, 100].
+  """
+  em, f1 = [], []
+  for answers, prediction in zip(targets, predictions, strict=True):
+    answers = [answers] if isinstance(answers, str) else list(answers)
+    normalized = normalize_squad_answer(prediction)
+    em.append(max(float(normalize_squad_answer(a) == normalized) for a in answers))
+    f1.append(max(_token_f1(a, prediction) for a in answers))
+  return {"em": 100.0 * float(np.mean(em)), "f1": 100.0 * float(np.mean(f1))}

@@ -1,0 +1,51 @@
+"""Tests of the SQuAD metric of t5x_lite.task_metrics against the official v1.1 definitions.
+
+The expected numbers are worked out by hand from the official SQuAD v1.1
+evaluation script: normalise (lowercase, drop punctuation, drop the words a/an/the,
+collapse whitespace), exact match of the normalised strings, F1 of the bags of
+normalised tokens (0 when no token is shared), each the maximum over an example's
+answers, averaged over examples and scaled to 0-100.
+"""
+
+import pytest
+
+from t5x_lite import task_metrics
+
+# (answers, prediction, exact match, token F1), one per example.
+SAMPLE = [
+  (["the Eiffel Tower"], "Eiffel tower.", 1, 1.0),  # article, case, punctuation
+  (["Denver Broncos", "The Broncos"], "the broncos", 1, 1.0),  # the second answer matches
+  (["Saint-Pierre"], "saint pierre", 0, 0.0),  # "saintpierre": punctuation is deleted, not spaced
+  (["an analysis"], "Analysis!", 1, 1.0),  # "an" as a word only: "analysis" keeps its "an"
+  (["quick brown fox"], "the brown dog", 0, 0.4),  # 1 shared: P 1/2, R 1/3
+  (["Paris"], "", 0, 0.0),  # empty prediction
+  (["1990 census", "census of 1990 results"], "1990 census results", 0, 6 / 7),  # 0.8 vs 6/7
+  (["New York New York"], "new york", 0, 2 / 3),  # bags: P 2/2, R 2/4
+  ("  Marie   CURIE ", "marie curie", 1, 1.0),  # one answer given as a string; whitespace
+]
+
+
+def test_normalize_squad_answer():
+  assert task_metrics.normalize_squad_answer("  The  Eiffel-Tower, a Landmark! ") == (
+    "eiffeltower landmark"
+  )
+  assert task_metrics.normalize_squad_answer("Theatre an anthem") == "theatre anthem"
+
+
+@pytest.mark.parametrize("answers, prediction, em, f1", SAMPLE)
+def test_squad_per_example(answers, prediction, em, f1):
+  result = task_metrics.squad([answers], [prediction])
+  assert result == pytest.approx({"em": 100.0 * em, "f1": 100.0 * f1})
+
+
+def test_squad_means_over_examples():
+  answers, predictions, _, _ = zip(*SAMPLE)
+  result = task_metrics.squad(list(answers), list(predictions))
+  # em: 4 of 9 exact; f1: (4 + 0.4 + 6/7 + 2/3) / 9.
+  assert result == pytest.approx({"em": 400 / 9, "f1": 100 * (4 + 0.4 + 6 / 7 + 2 / 3) / 9})
+  assert result["f1"] == pytest.approx(65.8201058)
+
+
+def test_squad_answer_of_only_articles_matches_exactly_with_zero_f1():
+  """v1.1 compares '' == '' as an exact match, but F1 has no shared token."""
+  assert task_metrics.squad([["The"]], ["a"]) == {"em": 100.0, "f1": 0.0}
