@@ -23,7 +23,9 @@ number of examples, decoding); a different run in the same EVAL_OUTPUT_DIR is
 refused instead of silently skipped. Corrupt steps of a MODEL_DIR (files that do
 not match their files.json) are skipped with a warning naming the bad file; a
 corrupt step directory given as CHECKPOINT_PATH is an error. Relative paths are
-relative to the working directory.
+relative to the working directory. With `watch` (gin WATCH) it keeps polling a
+MODEL_DIR, which need not exist yet, and evaluates each step once orbax has
+committed it, until FINAL_STEP is evaluated or no step came for WATCH_TIMEOUT_S.
 
 `training_evaluator` builds the same evaluation for the train loop (gin knob
 `train.infer_eval_period`): metrics come back as `{"<task>/<metric>": value}`
@@ -39,19 +41,27 @@ import os
 import re
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 import gin
 import jax
 import numpy as np
+import orbax.checkpoint as ocp
 import seqio
 import tensorflow as tf
 import tqdm
 from absl import logging
+from etils import epath
+from jax.experimental import multihost_utils
 
 from t5x_lite import checkpoints, data, model_runner, models, partitioning
-from t5x_lite.errors import ConfigError
+from t5x_lite.errors import (
+  CheckpointError,
+  CheckpointNotFoundError,
+  ConfigError,
+  CorruptCheckpointError,
+)
 from t5x_lite.paths import absolute_path, not_a_directory
 
 PyTree = Any
@@ -337,6 +347,117 @@ def _write_step(
   return path
 
 
+def _build_evaluator(
+  step_dir: epath.Path,
+  output_dir: str,
+  dataset_cfg: data.DatasetConfig,
+  decode: model_runner.DecodeConfig,
+  num_examples: int | None,
+) -> tuple[PyTree, TaskEvaluator]:
+  """(abstract params, evaluator) of the model `step_dir` stores, logging to `output_dir`."""
+  os.makedirs(output_dir, exist_ok=True)
+  model = models.build_model(checkpoints.model_config(step_dir))
+  partitioner = partitioning.Partitioner()
+  abstract, shardings = partitioner.abstract_params(model.init_params)
+  runner = model_runner.ModelRunner(model, partitioner, shardings, decode, dataset_cfg.batch_size)
+  loggers = (seqio.TensorBoardLogger, PredictionsJsonlLogger) if jax.process_index() == 0 else ()
+  evaluator = TaskEvaluator(
+    runner, dataset_cfg, num_examples=num_examples, log_dir=output_dir, logger_cls=loggers
+  )
+  return abstract, evaluator
+
+
+def _step_evaluator(
+  output_dir: str,
+  run: Mapping[str, Any],
+  dataset_cfg: data.DatasetConfig,
+  decode: model_runner.DecodeConfig,
+  num_examples: int | None,
+  config_dir: epath.Path | None = None,
+) -> Callable[[int, epath.Path], Metrics | None]:
+  """fn(step, step_dir): restores, evaluates and records one verified step.
+
+  The model is built once, at the first call, from the config `config_dir` stores
+  (None: that call's step). fn returns None, with a warning, for a step deleted
+  before it was restored (rotated out by a running training's keep).
+  """
+  abstract, evaluator = None, None
+
+  def evaluate(step: int, step_dir: epath.Path) -> Metrics | None:
+    nonlocal abstract, evaluator
+    if evaluator is None:
+      abstract, evaluator = _build_evaluator(
+        config_dir or step_dir, output_dir, dataset_cfg, decode, num_examples
+      )
+    start = time.perf_counter()
+    try:  # find_steps verified the step
+      params = checkpoints.restore_params(step_dir, abstract, verify_checksums=False)
+    except CheckpointError:
+      if step_dir.exists():
+        raise
+      logging.warning("Step %d (%s) was deleted before it was restored; skipped.", step, step_dir)
+      return None
+    metrics = evaluator.evaluate(params, step)
+    if jax.process_index() == 0:
+      seconds = time.perf_counter() - start
+      logging.info("Wrote %s", _write_step(output_dir, step, step_dir, run, metrics, seconds))
+    return metrics
+
+  return evaluate
+
+
+def _next_ready_step(checkpoint_path: str, exclude: Collection[int]) -> int:
+  """The oldest intact, fully written step not in `exclude`; -1 while there is none.
+
+  A missing or empty CHECKPOINT_PATH (training not started yet) has none. Steps
+  orbax has not finalized (a write in progress where renames are not atomic) wait
+  for a later poll; files.json, written after the commit, is not waited for.
+  Corrupt steps are skipped (`find_steps` warns at each poll).
+  """
+  try:
+    steps = checkpoints.find_steps(checkpoint_path, step="all", exclude=exclude)
+  except (CheckpointNotFoundError, CorruptCheckpointError) as e:
+    level = logging.WARNING if isinstance(e, CorruptCheckpointError) else logging.INFO
+    logging.log_every_n_seconds(level, "No checkpoint step to evaluate yet: %s", 600, e)
+    return -1
+  return next((step for step, step_dir in steps if ocp.step.is_path_finalized(step_dir)), -1)
+
+
+def _watch(
+  checkpoint_path: str,
+  done: Sequence[int],
+  evaluate: Callable[[int, epath.Path], Metrics | None],
+  final_step: int | None,
+  timeout_s: float,
+  poll_s: float,
+) -> dict[int, Metrics]:
+  """Evaluates steps as they appear until `final_step` is evaluated or `timeout_s` passes.
+
+  Process 0 picks the next step and broadcasts it (-1: none yet, -2: timed out), so
+  every host evaluates the same steps in the same order.
+  """
+  if checkpoints.is_step_dir(checkpoint_path):
+    raise ConfigError(f"WATCH=True needs a MODEL_DIR, got the step directory {checkpoint_path}.")
+  root, done, evaluated, since = absolute_path(checkpoint_path), set(done), {}, time.monotonic()
+  logging.info("Watching %s for new checkpoint steps (final step %s).", root, final_step)
+  while final_step is None or max(done, default=-1) < final_step:
+    step = _next_ready_step(checkpoint_path, done) if jax.process_index() == 0 else -1
+    step = -2 if step == -1 and time.monotonic() - since > timeout_s else step
+    step = int(multihost_utils.broadcast_one_to_all(np.int64(step)))
+    if step == -2:
+      logging.info("No new checkpoint step in %s for %g s; stopping.", root, timeout_s)
+      return evaluated
+    if step == -1:
+      time.sleep(poll_s)
+      continue
+    if (metrics := evaluate(step, root / str(step))) is not None:
+      evaluated[step] = metrics
+    done.add(step)
+    since = time.monotonic()
+  logging.info("Evaluated step %d, at or after the final step %d; stopping.", max(done), final_step)
+  return evaluated
+
+
 @gin.configurable
 def evaluate_checkpoints(
   *,
@@ -345,12 +466,16 @@ def evaluate_checkpoints(
   dataset_cfg: data.DatasetConfig = gin.REQUIRED,
   decode: model_runner.DecodeConfig,
   num_examples: int | None,
+  watch: bool,
+  final_step: int | None,
+  timeout_s: float,
+  poll_s: float,
 ) -> dict[int, Metrics]:
   """Evaluates every not yet evaluated checkpoint step (see the module docstring).
 
-  The model is `models.build_model` of the newest step's stored config, overridden
-  by `T5Config.*` gin bindings (`checkpoints.model_config`); the mesh is the
-  gin-configured `partitioning.Partitioner`.
+  The model is `models.build_model` of the newest step's stored config (with
+  `watch`, the first evaluated step's), overridden by `T5Config.*` gin bindings
+  (`checkpoints.model_config`); the mesh is the gin-configured Partitioner.
 
   Args:
     checkpoint_path: one step directory, or a checkpoint root (MODEL_DIR): all its
@@ -359,6 +484,12 @@ def evaluate_checkpoints(
     dataset_cfg: task/mixture, split, task_feature_lengths, batch_size, seed.
     decode: decoding options for prediction metrics.
     num_examples: at most this many examples per task (None: the whole split).
+    watch: keep polling the MODEL_DIR (which need not exist yet) and evaluate each
+      new step once it is written, oldest first.
+    final_step: with `watch`, stop once a step at or after it is evaluated (None:
+      only the timeout stops).
+    timeout_s: with `watch`, stop when no step was ready to evaluate for this long.
+    poll_s: with `watch`, seconds between looks at the MODEL_DIR.
 
   Every argument is bound in gin/runs/eval.gin.
 
@@ -366,16 +497,21 @@ def evaluate_checkpoints(
     {step: {task: {metric: value}}} of the steps evaluated by this call.
 
   Raises:
-    CheckpointNotFoundError: naming a checkpoint path that does not exist or holds none.
+    CheckpointNotFoundError: naming a checkpoint path that does not exist or holds
+      none (not with `watch`).
     CorruptCheckpointError: the step directory given, or every step to evaluate of a
-      MODEL_DIR, is corrupt.
-    ConfigError: EVAL_OUTPUT_DIR is a file, or holds results of a different evaluation.
+      MODEL_DIR, is corrupt (not with `watch`: corrupt steps are skipped).
+    ConfigError: EVAL_OUTPUT_DIR is a file or holds results of a different
+      evaluation, or `watch` is given a step directory.
   """
   if problem := not_a_directory("EVAL_OUTPUT_DIR", output_dir):
     raise ConfigError(problem)
   output_dir = os.fspath(absolute_path(output_dir))
   run = _run_description(dataset_cfg, num_examples, decode)
   done = _evaluated_steps(output_dir, run)
+  options = (output_dir, run, dataset_cfg, decode, num_examples)
+  if watch:
+    return _watch(checkpoint_path, done, _step_evaluator(*options), final_step, timeout_s, poll_s)
   pending = checkpoints.find_steps(checkpoint_path, step="all", exclude=done)
   if not pending:
     logging.info(
@@ -385,32 +521,9 @@ def evaluate_checkpoints(
       done,
     )
     return {}
-  os.makedirs(output_dir, exist_ok=True)
-  model = models.build_model(checkpoints.model_config(pending[-1][1]))
-  partitioner = partitioning.Partitioner()
-  abstract, shardings = partitioner.abstract_params(model.init_params)
-  runner = model_runner.ModelRunner(model, partitioner, shardings, decode, dataset_cfg.batch_size)
-  loggers = (seqio.TensorBoardLogger, PredictionsJsonlLogger)
-  evaluator = TaskEvaluator(
-    runner,
-    dataset_cfg,
-    num_examples=num_examples,
-    log_dir=output_dir,
-    logger_cls=loggers if jax.process_index() == 0 else (),
-  )
-  evaluated = {}
-  for step, step_dir in pending:
-    start = time.perf_counter()
-    params = checkpoints.restore_params(
-      step_dir, abstract, verify_checksums=False
-    )  # find_steps verified it
-    evaluated[step] = evaluator.evaluate(params, step)
-    if jax.process_index() == 0:
-      path = _write_step(
-        output_dir, step, step_dir, run, evaluated[step], time.perf_counter() - start
-      )
-      logging.info("Wrote %s", path)
-  return evaluated
+  evaluate = _step_evaluator(*options, config_dir=pending[-1][1])
+  evaluated = {step: evaluate(step, step_dir) for step, step_dir in pending}
+  return {step: metrics for step, metrics in evaluated.items() if metrics is not None}
 
 
 # ------------------------------------------------------------------ during training

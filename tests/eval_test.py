@@ -12,6 +12,7 @@ import logging
 import os
 import subprocess
 import sys
+import time
 
 import flax.linen as nn
 import gin
@@ -20,6 +21,7 @@ import numpy as np
 import pytest
 import seqio
 import tensorflow as tf
+from etils import epath
 
 from t5x_lite import (
   checkpoints,
@@ -173,6 +175,10 @@ def _evaluate(ckpt, out, **overrides):
     dataset_cfg=_dataset_cfg(LABELED_TASK),
     decode=model_runner.DecodeConfig(),
     num_examples=None,
+    watch=False,
+    final_step=None,
+    timeout_s=0.0,
+    poll_s=0.0,
   )
   kwargs.update(overrides)
   return eval_lib.evaluate_checkpoints(**kwargs)
@@ -280,6 +286,66 @@ def test_corrupt_latest_step_is_skipped_by_eval_and_infer_and_redone_by_training
   assert ckpt.all_steps() == [2, 4, 6]
   ckpt.close()
   assert list(_evaluate(model_dir, tmp_path / "eval")) == [4, 6]  # the redone step 4 is intact
+
+
+def test_watch_evaluates_steps_as_training_writes_them_until_the_final_step(
+  tmp_path, monkeypatch, caplog
+):
+  """Each sleep of the watch loop stands for training writing more of MODEL_DIR."""
+  model_dir = tmp_path / "model"  # does not exist yet: training has not started
+  unfinalized = {"5"}  # orbax has not committed step 5 (where renames are not atomic)
+  finalized = eval_lib.ocp.step.is_path_finalized
+  monkeypatch.setattr(
+    eval_lib.ocp.step,
+    "is_path_finalized",
+    lambda path, **kw: epath.Path(path).name not in unfinalized and finalized(path, **kw),
+  )
+
+  def training_writes_more(step):  # step 1: before any checkpoint, the model dir is created
+    if step == 1:
+      _write_checkpoint(model_dir, steps=[3])
+      (model_dir / "5.orbax-checkpoint-tmp-1" / checkpoints.PARAMS).mkdir(parents=True)
+    elif step == 2:
+      _write_checkpoint(model_dir, steps=[5])
+      (model_dir / "5" / FILE_MANIFEST).unlink()  # committed, manifest not written yet
+    elif step == 3:
+      unfinalized.clear()
+      _write_checkpoint(model_dir, steps=[7])  # after the final step: never evaluated
+
+  polls, sleep, poll_s = [], time.sleep, 0.0123  # time.sleep is global: others sleep too
+
+  def fake_sleep(seconds):
+    if seconds != poll_s:
+      return sleep(seconds)
+    polls.append(seconds)
+    training_writes_more(len(polls))
+
+  monkeypatch.setattr(time, "sleep", fake_sleep)
+  with caplog.at_level(logging.INFO, logger="absl"):
+    results = _evaluate(
+      model_dir, tmp_path / "eval", watch=True, final_step=5, timeout_s=600, poll_s=poll_s
+    )
+  assert list(results) == [3, 5] and len(polls) == 3
+  written = sorted(p.name for p in (tmp_path / "eval").glob("metrics_step_*"))
+  assert written == ["metrics_step_3.json", "metrics_step_5.json"]
+  assert "Evaluated step 5, at or after the final step 5; stopping." in caplog.text
+  assert results[3][LABELED_TASK]["mean_score"] != results[5][LABELED_TASK]["mean_score"]
+
+
+def test_watch_stops_after_the_timeout_and_at_an_evaluated_final_step(
+  tmp_path, monkeypatch, caplog
+):
+  _write_checkpoint(tmp_path / "model", steps=[3])
+  with caplog.at_level(logging.INFO, logger="absl"):
+    results = _evaluate(
+      tmp_path / "model", tmp_path / "eval", watch=True, timeout_s=0.2, poll_s=0.05
+    )
+  assert list(results) == [3]
+  assert f"No new checkpoint step in {tmp_path}/model for 0.2 s; stopping." in caplog.text
+  monkeypatch.setattr(time, "sleep", lambda s: pytest.fail("waited"))
+  assert _evaluate(tmp_path / "model", tmp_path / "eval", watch=True, final_step=3) == {}
+  with pytest.raises(ConfigError, match="WATCH=True needs a MODEL_DIR, got the step directory"):
+    _evaluate(tmp_path / "model" / "3", tmp_path / "eval", watch=True)
 
 
 def _train_tiny(model_dir, total_steps: int, **kwargs) -> None:
