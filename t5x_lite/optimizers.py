@@ -28,7 +28,8 @@ O(rows + cols) per matrix, negligible next to the parameters.
 """
 
 import dataclasses
-from collections.abc import Mapping
+import re
+from collections.abc import Mapping, Sequence
 from typing import Any, Callable, NamedTuple, Union
 
 import gin
@@ -56,6 +57,45 @@ class Optimizer:
   schedule: Schedule
   # param_axes -> tx, for optimizers whose update depends on logical axes (Adafactor).
   build: Callable[[Any], optax.GradientTransformation] | None = None
+  # Regular expressions over parameter paths that train; None: all (`with_trainable`).
+  trainable: tuple[str, ...] | None = None
+
+  def with_trainable(self, patterns: Sequence[str] | None) -> "Optimizer":
+    """This optimizer updating only parameters whose path fully matches a pattern.
+
+    Paths join the parameter tree's keys with '/', e.g.
+    'encoder/layers_0/attention/query/kernel'. The other parameters are frozen: their
+    updates are zero (they stay bitwise unchanged) and they get no optimizer state.
+
+    Args:
+      patterns: regular expressions (`re.fullmatch`); None trains everything.
+
+    Raises:
+      ConfigError: naming a pattern that is not a regular expression.
+    """
+    if patterns is None:
+      return dataclasses.replace(self, trainable=None)
+    if isinstance(patterns, str):
+      patterns = [patterns]
+    for pattern in patterns:
+      try:
+        re.compile(pattern)
+      except re.error as e:
+        raise ConfigError(f"Trainable-parameter pattern {pattern!r} is not a regex: {e}") from e
+    return dataclasses.replace(self, trainable=tuple(patterns))
+
+  def _transform(self) -> optax.GradientTransformation:
+    """`tx`, with frozen parameters masked out when `trainable` is set."""
+    if self.trainable is None:
+      return self.tx
+    patterns = self.trainable
+
+    def labels(params: Any) -> Any:
+      return jax.tree_util.tree_map_with_path(
+        lambda path, _: "train" if is_trainable(param_path(path), patterns) else "freeze", params
+      )
+
+    return optax.multi_transform({"train": self.tx, "freeze": optax.set_to_zero()}, labels)
 
   def with_param_axes(self, param_axes: Any) -> "Optimizer":
     """This optimizer for parameters with these logical axes.
@@ -74,17 +114,45 @@ class Optimizer:
 
   def init(self, params: Any) -> optax.OptState:
     """Initial optimizer state for `params`."""
-    return self.tx.init(params)
+    return self._transform().init(params)
 
   def update(
     self, grads: Any, state: optax.OptState, params: Any = None
   ) -> tuple[Any, optax.OptState]:
     """Returns (updates, new_state); add updates to params with `optax.apply_updates`."""
-    return self.tx.update(grads, state, params)
+    return self._transform().update(grads, state, params)
 
   def learning_rate(self, step: jax.Array) -> jax.Array:
     """The learning rate applied by the update at optimizer step `step`."""
     return jnp.asarray(self.schedule(step), jnp.float32)
+
+
+def param_path(path: Sequence[Any]) -> str:
+  """'encoder/layers_0/attention/query/kernel' from a pytree key path."""
+  return "/".join(str(getattr(key, "key", getattr(key, "name", key))) for key in path)
+
+
+def is_trainable(path: str, patterns: Sequence[str] | None) -> bool:
+  """Whether a parameter path fully matches one of `patterns` (None: everything trains)."""
+  return patterns is None or any(re.fullmatch(pattern, path) for pattern in patterns)
+
+
+def trainable_counts(params: Any, patterns: Sequence[str] | None) -> tuple[int, int]:
+  """(trainable, total) parameter counts of a params tree (arrays or ShapeDtypeStructs).
+
+  Raises:
+    ConfigError: naming a pattern that matches no parameter.
+  """
+  leaves = jax.tree_util.tree_flatten_with_path(params)[0]
+  paths = [(param_path(path), int(np.prod(leaf.shape))) for path, leaf in leaves]
+  for pattern in patterns or ():
+    if not any(re.fullmatch(pattern, path) for path, _ in paths):
+      raise ConfigError(
+        f"Trainable-parameter pattern {pattern!r} matches no parameter; paths look like "
+        f"{paths[0][0]!r} (the full path must match)."
+      )
+  trainable = sum(size for path, size in paths if is_trainable(path, patterns))
+  return trainable, sum(size for _, size in paths)
 
 
 def _as_schedule(learning_rate: ScalarOrSchedule) -> Schedule:
@@ -385,19 +453,21 @@ def adafactor(
   schedule = _as_schedule(learning_rate)
 
   def build(param_axes: Any) -> optax.GradientTransformation:
+    # By path, so a tree with frozen (masked) parameters finds the same axes.
+    axes_of = {
+      param_path(path): tuple(axes)
+      for path, axes in jax.tree_util.tree_flatten_with_path(
+        param_axes, is_leaf=lambda x: isinstance(x, tuple)
+      )[0]
+    }
+
     def plan(params: Any) -> Any:
-      treedef = jax.tree.structure(params)
-      axes = (
-        treedef.flatten_up_to(param_axes) if param_axes is not None else [None] * treedef.num_leaves
-      )
-      return treedef.unflatten(
-        [
-          factoring(p.shape, tuple(a) if a is not None else None, min_dim_size_to_factor, rules)
-          if factored
-          else Factoring(tuple(range(p.ndim)), (), ())
-          for p, a in zip(treedef.flatten_up_to(params), axes)
-        ]
-      )
+      def one(path: Any, p: Any) -> Factoring:
+        if not factored:
+          return Factoring(tuple(range(p.ndim)), (), ())
+        return factoring(p.shape, axes_of.get(param_path(path)), min_dim_size_to_factor, rules)
+
+      return jax.tree_util.tree_map_with_path(one, params)
 
     rules = dict(factor_rules)
     tx = [

@@ -444,7 +444,7 @@ def run(topology: str | None) -> int:
     )
   report = precompile_train_step(
     args["model"] or models.build_model(),
-    args["optimizer"],
+    args["optimizer"].with_trainable(args["trainable_parameters"]),
     dataset_cfg,
     topology,
     num_partitions=partitioner_args["num_partitions"],

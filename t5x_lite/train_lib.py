@@ -362,6 +362,7 @@ def train(
   partitioner: partitioning.Partitioner | None = None,
   initial_checkpoint_path: str | None = None,
   initial_checkpoint_dtype: str | None = None,
+  trainable_parameters: Sequence[str] | None = None,
   data_checkpoint_mode: str = "iterator",
   stop: StopRequest | None = None,
 ) -> trainer.TrainState:
@@ -389,6 +390,9 @@ def train(
       `params` are loaded when MODEL_DIR has no checkpoint yet.
     initial_checkpoint_dtype: cast the loaded params to this dtype (default:
       the model's param dtype).
+    trainable_parameters: regular expressions over parameter paths
+      ('encoder/layers_0/mlp/wi_0/kernel'; `re.fullmatch`) that train; the others are
+      frozen (no optimizer state, bitwise unchanged). None trains everything.
     data_checkpoint_mode: 'iterator' or 'skip' (see `t5x_lite.data`).
     stop: stop flag (tests); default: SIGTERM/SIGINT handlers.
 
@@ -397,6 +401,11 @@ def train(
   """
   model = model or models.build_model()
   partitioner = partitioner or partitioning.Partitioner()
+  optimizer = optimizer.with_trainable(trainable_parameters)
+  trainable, total = optimizers.trainable_counts(
+    partitioner.abstract_params(model.init_params)[0], trainable_parameters
+  )
+  logging.info("trainable parameters: %d of %d", trainable, total)
   ckpt = train_checkpointer.TrainCheckpointer(model_dir)
   stop = StopRequest() if stop is None else stop
   with contextlib.ExitStack() as stack:

@@ -11,6 +11,7 @@ import seqio
 from jax.sharding import PartitionSpec
 
 from t5x_lite import models, network, optimizers, partitioning, trainer
+from t5x_lite.errors import ConfigError
 from tiny_models import tiny_config
 
 VOCAB = 64
@@ -187,3 +188,41 @@ def test_donation_resume_determinism_and_eval_step():
   expected_loss, _ = jax.jit(model.eval_fn)(jax.device_get(second.params), batch)
   np.testing.assert_allclose(eval_metrics["loss"], expected_loss, rtol=1e-5)
   assert set(eval_metrics) | {"learning_rate", "grad_norm"} == set(metrics)
+
+
+def test_frozen_parameters_stay_bitwise_unchanged_and_have_no_optimizer_state():
+  trainable = [r"decoder/.*", r"token_embedder/.*"]
+  optimizer = optimizers.adafactor(learning_rate=0.05).with_trainable(trainable)
+  model, state, _, step = setup(single_device(), optimizer)
+  before = jax.device_get(state.params)
+  batch, rng = make_batch(), jax.random.PRNGKey(1)
+  for _ in range(2):
+    state, _ = step(state, batch, rng)
+  after = jax.device_get(state.params)
+  np.testing.assert_equal(after["encoder"], before["encoder"])  # bitwise
+  changed = jax.tree.map(lambda a, b: bool(np.any(a != b)), after["decoder"], before["decoder"])
+  assert all(jax.tree.leaves(changed))
+  assert np.any(after["token_embedder"]["embedding"] != before["token_embedder"]["embedding"])
+
+  full_state = trainer.abstract_train_state(
+    model, optimizers.adafactor(learning_rate=0.05), single_device()
+  )[0].opt_state
+
+  def size(tree):
+    return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(tree))
+
+  encoder_params = size(before["encoder"])
+  assert size(state.opt_state) < size(full_state) - encoder_params // 2
+  assert optimizers.trainable_counts(before, trainable) == (
+    size(before) - encoder_params,
+    size(before),
+  )
+
+
+def test_a_trainable_pattern_that_matches_nothing_is_named():
+  params = {"encoder": {"layers_0": {"mlp": {"wi": {"kernel": jnp.zeros((2, 3))}}}}}
+  assert optimizers.trainable_counts(params, None) == (6, 6)
+  with pytest.raises(ConfigError, match=r"'adapter' matches no parameter; paths look like "):
+    optimizers.trainable_counts(params, ["adapter"])
+  with pytest.raises(ConfigError, match=r"pattern '\(' is not a regex"):
+    optimizers.adafactor(learning_rate=0.1).with_trainable(["("])
