@@ -33,6 +33,7 @@ from t5x_lite import (
   network,
   optimizers,
   partitioning,
+  task_evaluator,
   task_metrics,
   train_checkpointer,
   train_lib,
@@ -128,8 +129,11 @@ def _dataset_cfg(name: str = MIXTURE, **overrides) -> data.DatasetConfig:
 
 def test_metrics_of_predictions_scores_and_loss_only_task(tmp_path, caplog):
   runner = StubRunner()
-  evaluator = eval_lib.TaskEvaluator(
-    runner, _dataset_cfg(), log_dir=str(tmp_path), logger_cls=(eval_lib.PredictionsJsonlLogger,)
+  evaluator = task_evaluator.TaskEvaluator(
+    runner,
+    _dataset_cfg(),
+    log_dir=str(tmp_path),
+    logger_cls=(task_evaluator.PredictionsJsonlLogger,),
   )
   assert "task eval_test_no_metrics has no metric functions" in caplog.text
   results = evaluator.evaluate(params=None, step=7)
