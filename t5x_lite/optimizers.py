@@ -17,7 +17,8 @@ parameter of rank 1 or 2 falls back to factoring its two largest dims when both 
 statistics, clipping and parameter scale are computed per layer, as for unscanned
 layers. The logical axes reach the optimizer through `Optimizer.with_param_axes`
 (`t5x_lite.trainer` calls it with `EncoderDecoderModel.param_axes()`); without them
-every parameter uses the rank-1/2 rule and higher ranks stay unfactored.
+every parameter uses the rank-1/2 rule and higher ranks stay unfactored. The
+factoring itself is `t5x_lite.factored_moments`.
 
 Sharding of the optimizer state (done by `trainer.opt_state_shardings`): optax keeps
 per-parameter statistics in sub-trees with exactly the parameter tree's structure
@@ -30,7 +31,7 @@ O(rows + cols) per matrix, negligible next to the parameters.
 import dataclasses
 import re
 from collections.abc import Mapping, Sequence
-from typing import Any, Callable, NamedTuple, Union
+from typing import Any, Callable, Union
 
 import gin
 import jax
@@ -39,6 +40,7 @@ import numpy as np
 import optax
 
 from t5x_lite.errors import ConfigError
+from t5x_lite.factored_moments import FACTOR_RULES, Factoring, factoring, scale_by_factored_rms
 
 Schedule = Callable[[jax.Array], jax.Array]
 ScalarOrSchedule = Union[float, Schedule]
@@ -59,6 +61,24 @@ class Optimizer:
   build: Callable[[Any], optax.GradientTransformation] | None = None
   # Regular expressions over parameter paths that train; None: all (`with_trainable`).
   trainable: tuple[str, ...] | None = None
+  # Steps between unfreezing one more block per stack; None: off (`with_gradual_unfreezing`).
+  unfreeze_every: int | None = None
+
+  def with_gradual_unfreezing(self, every_steps: int | None) -> "Optimizer":
+    """This optimizer with the T5 paper's gradual unfreezing (section 3.5.1).
+
+    Encoder and decoder blocks unfreeze from the top, both stacks in parallel: at step
+    s the top `1 + s // every_steps` blocks of each stack train, the others get zero
+    updates. Parameters outside the blocks (embeddings, output projection, final
+    norms, relative position biases) train throughout, as in the paper, where the
+    shared embedding and output matrices are updated from the start.
+
+    Raises:
+      ConfigError: if `every_steps` is not positive.
+    """
+    if every_steps is not None and every_steps < 1:
+      raise ConfigError(f"Gradual unfreezing needs a positive step count, got {every_steps}.")
+    return dataclasses.replace(self, unfreeze_every=every_steps)
 
   def with_trainable(self, patterns: Sequence[str] | None) -> "Optimizer":
     """This optimizer updating only parameters whose path fully matches a pattern.
@@ -85,17 +105,21 @@ class Optimizer:
     return dataclasses.replace(self, trainable=tuple(patterns))
 
   def _transform(self) -> optax.GradientTransformation:
-    """`tx`, with frozen parameters masked out when `trainable` is set."""
-    if self.trainable is None:
-      return self.tx
-    patterns = self.trainable
+    """`tx`, with frozen parameters masked out (`trainable`, `unfreeze_every`)."""
+    tx = self.tx
+    if self.trainable is not None:
+      patterns = self.trainable
 
-    def labels(params: Any) -> Any:
-      return jax.tree_util.tree_map_with_path(
-        lambda path, _: "train" if is_trainable(param_path(path), patterns) else "freeze", params
-      )
+      def labels(params: Any) -> Any:
+        return jax.tree_util.tree_map_with_path(
+          lambda path, _: "train" if is_trainable(param_path(path), patterns) else "freeze",
+          params,
+        )
 
-    return optax.multi_transform({"train": self.tx, "freeze": optax.set_to_zero()}, labels)
+      tx = optax.multi_transform({"train": tx, "freeze": optax.set_to_zero()}, labels)
+    if self.unfreeze_every is not None:
+      tx = optax.chain(tx, unfreeze_top_down(self.unfreeze_every))
+    return tx
 
   def with_param_axes(self, param_axes: Any) -> "Optimizer":
     """This optimizer for parameters with these logical axes.
@@ -153,6 +177,49 @@ def trainable_counts(params: Any, patterns: Sequence[str] | None) -> tuple[int, 
       )
   trainable = sum(size for path, size in paths if is_trainable(path, patterns))
   return trainable, sum(size for _, size in paths)
+
+
+_BLOCK = re.compile(r"(encoder|decoder)/layers_(\d+)/")
+_SCANNED_BLOCKS = re.compile(r"(encoder|decoder)/layers/")
+
+
+def unfreeze_top_down(every_steps: int) -> optax.GradientTransformation:
+  """Zeroes the updates of blocks not yet unfrozen (see `Optimizer.with_gradual_unfreezing`).
+
+  Blocks are `<stack>/layers_<i>/...` parameters, or index i of the leading 'layers'
+  axis of scanned `<stack>/layers/...` parameters; a stack of L blocks trains block i
+  from step (L - 1 - i) * every_steps.
+  """
+
+  def init(params: Any) -> optax.ScaleByScheduleState:
+    del params
+    return optax.ScaleByScheduleState(count=jnp.zeros((), jnp.int32))
+
+  def update(updates: Any, state: optax.ScaleByScheduleState, params: Any = None):
+    del params
+    unfrozen = 1 + state.count // every_steps  # blocks per stack, from the top
+    paths = [param_path(p) for p, _ in jax.tree_util.tree_flatten_with_path(updates)[0]]
+    depth: dict[str, int] = {}
+    for path in paths:
+      if match := _BLOCK.match(path):
+        depth[match[1]] = max(depth.get(match[1], 0), int(match[2]) + 1)
+
+    def mask(path: Any, update: jax.Array) -> jax.Array:
+      name = param_path(path)
+      if match := _BLOCK.match(name):
+        trains = int(match[2]) >= depth[match[1]] - unfrozen
+        return jnp.where(trains, update, jnp.zeros_like(update))
+      if _SCANNED_BLOCKS.match(name):
+        layers = update.shape[0]
+        trains = jnp.arange(layers) >= layers - unfrozen  # [layers]
+        trains = trains.reshape((layers,) + (1,) * (update.ndim - 1))
+        return jnp.where(trains, update, jnp.zeros_like(update))
+      return update
+
+    masked = jax.tree_util.tree_map_with_path(mask, updates)
+    return masked, optax.ScaleByScheduleState(count=state.count + 1)
+
+  return optax.GradientTransformation(init, update)
 
 
 def _as_schedule(learning_rate: ScalarOrSchedule) -> Schedule:
@@ -230,188 +297,6 @@ def warmup_cosine(
     decay_steps=decay_steps,
     end_value=end_value,
   )
-
-
-# T5X's standard logical factor rules (`t5x.adafactor.standard_logical_factor_rules`).
-ROW, COLUMN, BATCH, NONE = "row", "column", "batch", "none"
-FACTOR_RULES: Mapping[str, str] = {
-  "vocab": COLUMN,
-  "embed": ROW,
-  "mlp": COLUMN,
-  "heads": COLUMN,
-  "kv": COLUMN,
-  "relpos_buckets": NONE,
-  "layers": BATCH,
-}
-
-
-class Factoring(NamedTuple):
-  """How Adafactor treats one parameter.
-
-  Attributes:
-    averaging_dims: dims that the RMS of clipping and parameter scale averages over
-      (all but batch dims).
-    rows: row dims of a factored second moment (empty: not factored).
-    cols: column dims.
-  """
-
-  averaging_dims: tuple[int, ...]
-  rows: tuple[int, ...]
-  cols: tuple[int, ...]
-
-  @property
-  def factored(self) -> bool:
-    return bool(self.rows) and bool(self.cols)
-
-
-def factoring(
-  shape: tuple[int, ...],
-  axes: tuple[str | None, ...] | None,
-  min_dim_size_to_factor: int = 128,
-  rules: Mapping[str, str] = FACTOR_RULES,
-) -> Factoring:
-  """T5X's factoring of one parameter from its shape and logical axes.
-
-  Rank <= 2 without a batch axis (or without axes): the two largest dims, when the
-  smaller of them is >= `min_dim_size_to_factor` (T5X's heuristic). Otherwise the
-  axes' rules: ROW dims against COLUMN dims, BATCH dims kept apart, NONE dims averaged.
-
-  Raises:
-    ConfigError: for a logical axis name missing from `rules`.
-  """
-  ndim = len(shape)
-  everything = tuple(range(ndim))
-  if axes is not None and len(axes) == ndim:
-    unknown = [name for name in axes if name not in rules]
-    if unknown:
-      raise ConfigError(
-        f"Adafactor has no factor rule for logical axis {unknown[0]!r} (of a parameter "
-        f"shaped {shape}); known axes: {sorted(rules)}."
-      )
-    kinds = [rules[name] for name in axes]
-    batch = tuple(d for d in everything if kinds[d] == BATCH)
-    if ndim > 2 or batch:
-      rows = tuple(d for d in everything if kinds[d] == ROW)
-      cols = tuple(d for d in everything if kinds[d] == COLUMN)
-      averaging = tuple(d for d in everything if d not in batch)
-      return Factoring(averaging, rows, cols) if rows and cols else Factoring(averaging, (), ())
-  if ndim < 2 or (ndim > 2 and axes is None):
-    return Factoring(everything, (), ())
-  by_size = np.argsort(shape, kind="stable")
-  if shape[by_size[-2]] < min_dim_size_to_factor:
-    return Factoring(everything, (), ())
-  return Factoring(everything, (int(by_size[-2]),), (int(by_size[-1]),))
-
-
-class FactoredRmsState(NamedTuple):
-  """Adafactor statistics; unused entries of a parameter are (1,) placeholders.
-
-  Attributes:
-    count: number of updates so far (int32).
-    v_row: params-shaped tree: EMA of squared gradients averaged over column dims.
-    v_col: the same averaged over row dims.
-    v: the full EMA for unfactored parameters.
-  """
-
-  count: jax.Array
-  v_row: Any
-  v_col: Any
-  v: Any
-
-
-def scale_by_factored_rms(
-  factorings: Any,
-  decay_rate: float,
-  decay_offset: int,
-  epsilon: float,
-  clipping_threshold: float | None,
-  multiply_by_parameter_scale: bool,
-) -> optax.GradientTransformation:
-  """T5X's Adafactor update before the learning rate: y = g / sqrt(v), clipped, scaled.
-
-  Args:
-    factorings: params-shaped tree of `Factoring` (or a callable params -> that tree).
-    decay_rate: second-moment decay exponent (beta2_t = 1 - t**-decay_rate).
-    decay_offset: step offset of the decay.
-    epsilon: added to squared gradients.
-    clipping_threshold: clip each parameter's update to this RMS (None: off).
-    multiply_by_parameter_scale: multiply by max(RMS(param), 1e-3).
-  """
-
-  def resolve(params: Any) -> Any:
-    return factorings(params) if callable(factorings) else factorings
-
-  def is_factoring(x: Any) -> bool:
-    return isinstance(x, Factoring)
-
-  def init(params: Any) -> FactoredRmsState:
-    plan = resolve(params)
-    placeholder = jnp.zeros((1,), jnp.float32)
-
-    def rows(f: Factoring, p: jax.Array) -> jax.Array:
-      if not f.factored:
-        return placeholder
-      return jnp.zeros(np.delete(p.shape, f.cols), jnp.float32)  # [shape without cols]
-
-    def cols(f: Factoring, p: jax.Array) -> jax.Array:
-      if not f.factored:
-        return placeholder
-      return jnp.zeros(np.delete(p.shape, f.rows), jnp.float32)  # [shape without rows]
-
-    def full(f: Factoring, p: jax.Array) -> jax.Array:
-      return placeholder if f.factored else jnp.zeros(p.shape, jnp.float32)
-
-    return FactoredRmsState(
-      count=jnp.zeros((), jnp.int32),
-      v_row=jax.tree.map(rows, plan, params, is_leaf=is_factoring),
-      v_col=jax.tree.map(cols, plan, params, is_leaf=is_factoring),
-      v=jax.tree.map(full, plan, params, is_leaf=is_factoring),
-    )
-
-  def update(grads: Any, state: FactoredRmsState, params: Any = None):
-    if params is None:
-      raise ValueError("Adafactor needs the params (multiply_by_parameter_scale).")
-    plan = resolve(params)
-    t = jnp.asarray(state.count - decay_offset + 1, jnp.float32)
-    decay = 1.0 - t ** (-decay_rate)
-
-    def one(f: Factoring, g: jax.Array, p: jax.Array, vr: jax.Array, vc: jax.Array, v: jax.Array):
-      g = g.astype(jnp.float32)
-      g2 = g * g + epsilon
-      if f.factored:
-        vr = decay * vr + (1 - decay) * jnp.mean(g2, axis=f.cols)  # [shape without cols]
-        vc = decay * vc + (1 - decay) * jnp.mean(g2, axis=f.rows)  # [shape without rows]
-        rows_in_vr = tuple(d - sum(c < d for c in f.cols) for d in f.rows)
-        row_factor = (vr / jnp.mean(vr, axis=rows_in_vr, keepdims=True)) ** -0.5
-        y = g * jnp.expand_dims(row_factor, f.cols) * jnp.expand_dims(vc**-0.5, f.rows)
-      else:
-        v = decay * v + (1 - decay) * g2
-        y = g * v**-0.5
-      if clipping_threshold is not None:
-        rms = jnp.sqrt(jnp.mean(y * y, axis=f.averaging_dims, keepdims=True))
-        y = y / jnp.maximum(1.0, rms / clipping_threshold)
-      if multiply_by_parameter_scale:
-        p = p.astype(jnp.float32)
-        scale = jnp.sqrt(jnp.mean(p * p, axis=f.averaging_dims, keepdims=True))
-        y = y * jnp.maximum(scale, 1e-3)
-      return y.astype(g.dtype), vr, vc, v
-
-    treedef = jax.tree.structure(params)
-    results = [
-      one(*args)
-      for args in zip(
-        treedef.flatten_up_to(plan),
-        treedef.flatten_up_to(grads),
-        treedef.flatten_up_to(params),
-        treedef.flatten_up_to(state.v_row),
-        treedef.flatten_up_to(state.v_col),
-        treedef.flatten_up_to(state.v),
-      )
-    ]
-    updates, v_row, v_col, v = (treedef.unflatten(list(r)) for r in zip(*results))
-    return updates, FactoredRmsState(state.count + 1, v_row, v_col, v)
-
-  return optax.GradientTransformation(init, update)
 
 
 @gin.configurable

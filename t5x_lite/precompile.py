@@ -444,7 +444,9 @@ def run(topology: str | None) -> int:
     )
   report = precompile_train_step(
     args["model"] or models.build_model(),
-    args["optimizer"].with_trainable(args["trainable_parameters"]),
+    args["optimizer"]
+    .with_trainable(args["trainable_parameters"])
+    .with_gradual_unfreezing(args["gradual_unfreezing_steps"]),
     dataset_cfg,
     topology,
     num_partitions=partitioner_args["num_partitions"],

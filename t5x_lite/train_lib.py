@@ -363,6 +363,7 @@ def train(
   initial_checkpoint_path: str | None = None,
   initial_checkpoint_dtype: str | None = None,
   trainable_parameters: Sequence[str] | None = None,
+  gradual_unfreezing_steps: int | None = None,
   data_checkpoint_mode: str = "iterator",
   stop: StopRequest | None = None,
 ) -> trainer.TrainState:
@@ -393,6 +394,9 @@ def train(
     trainable_parameters: regular expressions over parameter paths
       ('encoder/layers_0/mlp/wi_0/kernel'; `re.fullmatch`) that train; the others are
       frozen (no optimizer state, bitwise unchanged). None trains everything.
+    gradual_unfreezing_steps: unfreeze one more encoder and decoder block, from the
+      top, every this many steps (`optimizers.Optimizer.with_gradual_unfreezing`);
+      None: off.
     data_checkpoint_mode: 'iterator' or 'skip' (see `t5x_lite.data`).
     stop: stop flag (tests); default: SIGTERM/SIGINT handlers.
 
@@ -401,7 +405,9 @@ def train(
   """
   model = model or models.build_model()
   partitioner = partitioner or partitioning.Partitioner()
-  optimizer = optimizer.with_trainable(trainable_parameters)
+  optimizer = optimizer.with_trainable(trainable_parameters).with_gradual_unfreezing(
+    gradual_unfreezing_steps
+  )
   trainable, total = optimizers.trainable_counts(
     partitioner.abstract_params(model.init_params)[0], trainable_parameters
   )

@@ -9,7 +9,8 @@ import pytest
 
 import flax.linen as nn
 
-from t5x_lite import models, network, optimizers
+from t5x_lite import factored_moments, models, network, optimizers
+from t5x_lite.errors import ConfigError
 
 
 def test_rsqrt_schedule_values():
@@ -35,7 +36,7 @@ def test_warmup_cosine_and_constant():
 
 def _factored_state(state):
   def is_factored(x):
-    return isinstance(x, optimizers.FactoredRmsState)
+    return isinstance(x, factored_moments.FactoredRmsState)
 
   leaves = [s for s in jax.tree.leaves(state, is_leaf=is_factored) if is_factored(s)]
   assert len(leaves) == 1
@@ -222,3 +223,59 @@ def test_gin_configures_optimizer():
     assert float(opt.learning_rate(jnp.array(400))) == pytest.approx(0.05)
   finally:
     gin.clear_config()
+
+
+def _changed_per_step(params, optimizer, steps):
+  """Paths whose values changed at each step, under constant gradients of ones."""
+  state, changed = optimizer.init(params), []
+  for _ in range(steps):
+    grads = jax.tree.map(jnp.ones_like, params)
+    updates, state = optimizer.update(grads, state, params)
+    new = optax.apply_updates(params, updates)
+    flat_old = jax.tree_util.tree_flatten_with_path(params)[0]
+    flat_new = jax.tree.leaves(new)
+    changed.append(
+      {
+        optimizers.param_path(path): np.asarray(np.any(a != b, axis=tuple(range(1, a.ndim))))
+        if "layers/" in optimizers.param_path(path)
+        else bool(np.any(a != b))
+        for (path, a), b in zip(flat_old, flat_new)
+      }
+    )
+    params = new
+  return changed
+
+
+def test_gradual_unfreezing_unfreezes_blocks_from_the_top_in_both_stacks():
+  params = {
+    "encoder": {f"layers_{i}": {"w": jnp.full((4, 4), 0.5)} for i in range(3)},
+    "decoder": {f"layers_{i}": {"w": jnp.full((4, 4), 0.5)} for i in range(2)},
+    "token_embedder": {"embedding": jnp.full((8, 4), 0.5)},
+  }
+  opt = optimizers.adamw(learning_rate=0.1).with_gradual_unfreezing(2)
+  changed = _changed_per_step(params, opt, 6)
+
+  def trained(step):
+    return sorted(path for path, moved in changed[step].items() if moved)
+
+  embedding, enc, dec = "token_embedder/embedding", "encoder/layers_{}/w", "decoder/layers_{}/w"
+  assert trained(0) == sorted([embedding, enc.format(2), dec.format(1)])  # steps 0-1: top blocks
+  assert trained(1) == trained(0)
+  assert trained(2) == sorted(
+    [embedding, enc.format(1), enc.format(2), dec.format(0), dec.format(1)]
+  )
+  assert trained(4) == sorted(changed[4])  # step 4: every block of both stacks
+
+
+def test_gradual_unfreezing_of_scanned_layers_goes_by_layer_index():
+  params = {"encoder": {"layers": {"w": jnp.full((3, 4, 4), 0.5)}}, "norm": jnp.full((4,), 1.0)}
+  opt = optimizers.adafactor(learning_rate=0.1).with_gradual_unfreezing(1)
+  changed = _changed_per_step(params, opt, 3)
+  assert [list(c["encoder/layers/w"]) for c in changed] == [
+    [False, False, True],
+    [False, True, True],
+    [True, True, True],
+  ]
+  assert all(c["norm"] for c in changed)
+  with pytest.raises(ConfigError, match="positive step count, got 0"):
+    opt.with_gradual_unfreezing(0)

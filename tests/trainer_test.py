@@ -10,7 +10,7 @@ import pytest
 import seqio
 from jax.sharding import PartitionSpec
 
-from t5x_lite import models, network, optimizers, partitioning, trainer
+from t5x_lite import models, network, factored_moments, optimizers, partitioning, trainer
 from t5x_lite.errors import ConfigError
 from tiny_models import tiny_config
 
@@ -141,7 +141,7 @@ def test_adafactor_factored_statistics_shardings():
   abstract = jax.eval_shape(opt.init, params)
   shardings = trainer.opt_state_shardings(abstract, params, param_shardings, mesh)
   factored = shardings[0]  # chain -> scale_by_factored_rms state
-  assert isinstance(factored, optimizers.FactoredRmsState)
+  assert isinstance(factored, factored_moments.FactoredRmsState)
   assert factored.v_row["big"].spec == PartitionSpec()
   assert factored.v["big"].spec == PartitionSpec()  # (1,) placeholder
   assert factored.v["vec"].spec == PartitionSpec("data")  # unfactored: follows its param
