@@ -4,7 +4,9 @@ The one owner of "which step, which stored config": `find_steps` turns a
 checkpoint root or step directory into verified step directories (newest, all,
 or one step), `model_config` reads the T5Config a step stores (gin bindings
 override it field by field), `restore_params` restores the params item into
-abstract params with shardings (`partitioning.Partitioner.abstract_params`).
+abstract params with shardings (`partitioning.Partitioner.abstract_params`),
+optionally taking parameters the checkpoint lacks (adapters added for
+fine-tuning) from a fallback tree.
 Training checkpoints are written and resumed by `train_checkpointer`;
 `write_params_checkpoint` writes the params-only layout of the HF converter.
 
@@ -44,6 +46,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging
 from etils import epath
+from flax import traverse_util
 
 from t5x_lite import network
 from t5x_lite.checkpoint_manifest import (
@@ -311,6 +314,28 @@ def restore_item(item_dir: epath.Path, target: Any, what: str) -> Any:
     raise CheckpointError(f"Cannot restore {item_dir}: {e}") from e
 
 
+def _fallback_leaves(
+  fallback: Any, missing: Collection[str], target: Mapping[str, Any], location: str
+) -> dict[str, Any]:
+  """Path -> fallback value for each `missing` path the fallback tree has.
+
+  Values get the dtype of their `target` leaf.
+
+  Raises:
+    CheckpointMismatchError: a fallback value's shape differs from the target's.
+  """
+  flat = traverse_util.flatten_dict(fallback, sep="/")
+  leaves = {path: flat[path] for path in sorted(missing) if path in flat}
+  if reshaped := [p for p, x in leaves.items() if tuple(x.shape) != tuple(target[p].shape)]:
+    raise CheckpointMismatchError(
+      f"Fallback params for checkpoint {location} do not match the model: "
+      + ", ".join(f"{p} {leaves[p].shape} vs model {target[p].shape}" for p in reshaped)
+    )
+  return {
+    p: x if x.dtype == target[p].dtype else x.astype(target[p].dtype) for p, x in leaves.items()
+  }
+
+
 def restore_params(
   path: epath.PathLike,
   target: Any,
@@ -318,6 +343,7 @@ def restore_params(
   step: int | None = None,
   dtype: str | None = None,
   verify_checksums: bool = True,
+  fallback: Any | None = None,
 ) -> Any:
   """Restores only the `params` item of a checkpoint (fine-tuning start).
 
@@ -331,20 +357,45 @@ def restore_params(
     dtype: optional dtype every parameter is cast to on restore; by default
       each parameter gets the dtype of its `target` leaf.
     verify_checksums: compare CRC32s from files.json before restoring.
+    fallback: params the checkpoint may lack: a tree nested like `target` (all of
+      it or a part, e.g. `network.adapter_params` of freshly initialised params)
+      of arrays sharded like `target`. Each parameter missing from the checkpoint
+      is taken from it (cast to its target dtype), and their paths are listed in
+      one warning; a missing parameter it does not hold is still an error.
 
   Returns:
     The params tree, sharded like `target`.
 
   Raises:
     CheckpointNotFoundError: naming a path that holds no checkpoint.
-    CheckpointMismatchError: listing missing/unexpected/reshaped parameters.
+    CheckpointMismatchError: listing missing (and not in `fallback`), unexpected
+      and reshaped parameters.
     CorruptCheckpointError: naming a damaged file.
   """
   [(_, step_dir)] = find_steps(
     path, step="newest" if step is None else step, verify_checksums=verify_checksums
   )
   logging.info("Restoring params from %s", step_dir)
-  return restore_item(step_dir / PARAMS, _cast_abstract(target, dtype), PARAMS)
+  item_dir = step_dir / PARAMS
+  target = _cast_abstract(target, dtype)
+  if fallback is None:
+    return restore_item(item_dir, target, PARAMS)
+  flat_target = traverse_util.flatten_dict(target, sep="/")
+  missing = set(flat_target) - set(_saved_shapes(item_dir))
+  filled = _fallback_leaves(fallback, missing, flat_target, os.fspath(item_dir))
+  if not filled:
+    return restore_item(item_dir, target, PARAMS)
+  logging.warning(
+    "Not in checkpoint %s, taken from the freshly initialised model (%d): %s",
+    step_dir,
+    len(filled),
+    ", ".join(filled),
+  )
+  rest = {p: x for p, x in flat_target.items() if p not in filled}
+  restored = restore_item(item_dir, traverse_util.unflatten_dict(rest, sep="/"), PARAMS)
+  return traverse_util.unflatten_dict(
+    {**traverse_util.flatten_dict(restored, sep="/"), **filled}, sep="/"
+  )
 
 
 def write_params_checkpoint(

@@ -4,10 +4,11 @@ Only matrix multiplications are counted, each as 2*m*n*k FLOPs (one multiply and
 one add per term); norms, softmax, activations, dropout and embedding lookups are
 ignored, as in the usual model-FLOPs convention (PaLM appendix B, levanter,
 nanoGPT). With E = emb_dim, H = num_heads * head_dim, M = mlp_dim, W = number of
-MLP input projections (1 for ReLU, 2 for gated GELU), V = vocab_size, I = input
-length and T = target length, one example's forward pass costs:
+MLP input projections (1 for ReLU, 2 for gated GELU), A = adapter_dim (0 without
+adapters), V = vocab_size, I = input length and T = target length, one example's
+forward pass costs:
 
-  mlp(L)        = 2 L E M (W + 1)
+  mlp(L)        = 2 L E M (W + 1) + 2 L E A * 2     feed-forward, then the adapter
   attn(Lq, Lk)  = 2 Lq E H * 2        query and output projections
                 + 2 Lk E H * 2        key and value projections
                 + 2 Lq Lk H * 2       scores q.k and the weighted sum of values
@@ -24,7 +25,9 @@ from t5x_lite.network import T5Config
 
 
 def _mlp_flops(config: T5Config, length: int) -> float:
-  return 2.0 * length * config.emb_dim * config.mlp_dim * (len(config.mlp_activations) + 1)
+  mlp = 2.0 * length * config.emb_dim * config.mlp_dim * (len(config.mlp_activations) + 1)
+  adapter = 4.0 * length * config.emb_dim * config.adapter_dim
+  return mlp + adapter
 
 
 def _attention_flops(config: T5Config, query_length: int, key_length: int) -> float:

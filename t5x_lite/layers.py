@@ -1,5 +1,5 @@
-"""T5 building blocks in Flax linen: projections, embedding, RMSNorm, MLP, attention,
-relative position biases and attention masks.
+"""T5 building blocks in Flax linen: projections, embedding, RMSNorm, MLP, adapter,
+attention, relative position biases and attention masks.
 
 Every parameter is created through `nn.with_logical_partitioning` with the logical
 axis names of the shared contract ('embed', 'heads', 'kv', 'mlp', 'vocab',
@@ -206,6 +206,51 @@ class MlpBlock(nn.Module):
       param_dtype=self.param_dtype,
       name='wo',
     )(hidden)
+
+
+class Adapter(nn.Module):
+  """Adapter layer of the T5 paper (section 3.5.1): x + wo(relu(wi(x))).
+
+  A dense-ReLU-dense block with a residual, inserted after a feed-forward sublayer
+  so that fine-tuning can train it (and the layer norms) alone. `wo` starts at
+  zero, so a freshly initialised adapter is exactly the identity and a network
+  restored from a checkpoint without adapters computes what it did before.
+
+  Attributes:
+    adapter_dim: inner width d (the paper tries 32, 128, 512, 2048).
+    dtype: computation dtype.
+    param_dtype: storage dtype of the kernels.
+  """
+
+  adapter_dim: int
+  dtype: Dtype = jnp.float32
+  param_dtype: Dtype = jnp.float32
+
+  @nn.compact
+  def __call__(self, inputs: Array) -> Array:
+    """Maps inputs [batch, length, embed] -> [batch, length, embed]."""
+    emb_dim = inputs.shape[-1]
+    # [batch, length, embed] -> [batch, length, mlp]
+    hidden = Projection(
+      (emb_dim, self.adapter_dim),
+      '...e,em->...m',
+      ('embed', 'mlp'),
+      dtype=self.dtype,
+      param_dtype=self.param_dtype,
+      name='wi',
+    )(inputs)
+    hidden = nn.with_logical_constraint(nn.relu(hidden), ('batch', 'length', 'mlp'))
+    # [batch, length, mlp] -> [batch, length, embed]
+    output = Projection(
+      (self.adapter_dim, emb_dim),
+      '...m,me->...e',
+      ('mlp', 'embed'),
+      nn.initializers.zeros,
+      dtype=self.dtype,
+      param_dtype=self.param_dtype,
+      name='wo',
+    )(hidden)
+    return inputs + output.astype(inputs.dtype)
 
 
 def relative_position_bucket(

@@ -5,7 +5,8 @@ RMSNorm, unscaled attention with one relative position bias table per stack, a
 final norm per stack, dropout where T5 applies it (after the embedding, after each
 sublayer before the residual add, after the final norm). Optional rematerialisation
 (`remat_policy`) and layer scanning (`scan_layers`, params stacked on a leading
-'layers' axis).
+'layers' axis). Optional adapter layers (`adapter_dim`, T5 paper section 3.5.1)
+after every feed-forward sublayer.
 """
 
 import dataclasses
@@ -13,6 +14,7 @@ from typing import Any
 
 import flax.linen as nn
 import gin
+from flax import traverse_util
 import jax
 import jax.numpy as jnp
 
@@ -49,6 +51,9 @@ class T5Config:
     remat_policy: 'none', 'minimal' (save matmul outputs without batch dims) or 'full'.
     scan_layers: scan over layers with stacked parameters.
     layer_norm_epsilon: RMSNorm epsilon.
+    adapter_dim: inner width of an adapter layer (`layers.Adapter`) after each
+      feed-forward sublayer of every encoder and decoder block; 0: no adapters
+      (the plain T5 network, same parameters).
   """
 
   vocab_size: int
@@ -68,6 +73,7 @@ class T5Config:
   remat_policy: str = 'none'
   scan_layers: bool = False
   layer_norm_epsilon: float = 1e-6
+  adapter_dim: int = 0
 
   def __post_init__(self):
     # JSON round trips turn tuples into lists; keep the config hashable.
@@ -79,6 +85,8 @@ class T5Config:
       )
     if self.remat_policy not in _REMAT_POLICIES:
       raise ValueError(f'remat_policy must be one of {_REMAT_POLICIES}, got {self.remat_policy!r}')
+    if self.adapter_dim < 0:
+      raise ValueError(f'adapter_dim must be >= 0 (0: no adapters), got {self.adapter_dim}')
     if self.relative_attention_max_distance <= self.relative_attention_num_buckets // 2:
       raise ValueError(
         'relative_attention_max_distance must exceed half the buckets '
@@ -131,8 +139,24 @@ def _residual(cfg: T5Config, y: Array, x: Array, deterministic: bool) -> Array:
   return nn.with_logical_constraint(y + x, ('batch', 'length', 'embed'))
 
 
+def _feed_forward(cfg: T5Config, x: Array, deterministic: bool) -> Array:
+  """The pre-norm MLP sublayer with its residual, then the adapter when configured.
+
+  x [batch, length, embed] -> same.
+  """
+  y = _norm(cfg, 'pre_mlp_layer_norm')(x)
+  y = _mlp(cfg)(y, deterministic)
+  x = _residual(cfg, y, x, deterministic)
+  if cfg.adapter_dim:
+    x = layers.Adapter(cfg.adapter_dim, cfg.activation_dtype, cfg.parameter_dtype, name='adapter')(
+      x
+    )
+    x = nn.with_logical_constraint(x, ('batch', 'length', 'embed'))
+  return x
+
+
 class EncoderLayer(nn.Module):
-  """Pre-norm self-attention + MLP block.
+  """Pre-norm self-attention + MLP block (+ adapter).
 
   Attributes:
     config: the network config.
@@ -151,14 +175,12 @@ class EncoderLayer(nn.Module):
       y, y, mask_bias, position_bias, deterministic=self.deterministic
     )
     x = _residual(cfg, y, x, self.deterministic)
-    y = _norm(cfg, 'pre_mlp_layer_norm')(x)
-    y = _mlp(cfg)(y, self.deterministic)
-    x = _residual(cfg, y, x, self.deterministic)
+    x = _feed_forward(cfg, x, self.deterministic)
     return (x, None) if cfg.scan_layers else x
 
 
 class DecoderLayer(nn.Module):
-  """Pre-norm causal self-attention + cross-attention + MLP block.
+  """Pre-norm causal self-attention + cross-attention + MLP block (+ adapter).
 
   Attributes:
     config: the network config.
@@ -197,9 +219,7 @@ class DecoderLayer(nn.Module):
       y, encoded, cross_mask_bias, **kwargs
     )
     x = _residual(cfg, y, x, self.deterministic)
-    y = _norm(cfg, 'pre_mlp_layer_norm')(x)
-    y = _mlp(cfg)(y, self.deterministic)
-    x = _residual(cfg, y, x, self.deterministic)
+    x = _feed_forward(cfg, x, self.deterministic)
     return (x, None) if cfg.scan_layers else x
 
 
@@ -532,3 +552,13 @@ def init_params(config: T5Config, rng: jax.Array) -> Any:
     {"params": rng, "dropout": rng}, tokens, tokens, tokens, enable_dropout=False
   )
   return variables["params"]
+
+
+def adapter_params(params: Any) -> dict[str, Any]:
+  """The adapter parameters of a params tree, nested as there (empty without adapters).
+
+  They are what a checkpoint of the same network without adapters lacks
+  (`checkpoints.restore_params`' `fallback`).
+  """
+  flat = traverse_util.flatten_dict(params)
+  return traverse_util.unflatten_dict({k: v for k, v in flat.items() if 'adapter' in k})

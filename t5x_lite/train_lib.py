@@ -116,7 +116,8 @@ def _setup_state(
   """Resumes from MODEL_DIR, else initialises (optionally from a checkpoint).
 
   Resuming restores the newest intact step of MODEL_DIR: corrupt newer steps are
-  skipped with a warning (`TrainCheckpointer.restore_latest`).
+  skipped with a warning (`TrainCheckpointer.restore_latest`). A fine-tuning start
+  takes adapter parameters the initial checkpoint lacks from the fresh init.
   """
   init_rng, rng = jax.random.split(jax.random.PRNGKey(random_seed))
   abstract, shardings = trainer.abstract_train_state(model, optimizer, partitioner)
@@ -130,8 +131,12 @@ def _setup_state(
     state, shardings = trainer.init_train_state(model, optimizer, init_rng, partitioner)
     if initial_checkpoint_path:
       logging.info("Fine-tuning from %s (params only)", initial_checkpoint_path)
+      # Adapters added for fine-tuning start from their (identity) initialisation.
       params = checkpoints.restore_params(
-        initial_checkpoint_path, abstract.params, dtype=initial_checkpoint_dtype
+        initial_checkpoint_path,
+        abstract.params,
+        dtype=initial_checkpoint_dtype,
+        fallback=network.adapter_params(state.params),
       )
       state = state.replace(params=params)
   return _Setup(state, shardings, rng, model.module.config, partitioner)

@@ -4,16 +4,17 @@ import dataclasses
 import json
 from pathlib import Path
 
+import flax.linen as nn
 import gin
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import traverse_util
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from t5x_lite import checkpoints, train_checkpointer
+from t5x_lite import checkpoints, network, train_checkpointer
 from t5x_lite.checkpoint_manifest import FILE_MANIFEST
 from t5x_lite.errors import CheckpointError, ConfigError, CorruptCheckpointError, UserError
 from tiny_models import tiny_config
@@ -326,3 +327,68 @@ def test_model_config_is_the_stored_one_with_gin_overrides(tmp_path):
     assert "dropout_rate" not in message and "--gin_file=models/t5_1_1/small.gin" in message
   finally:
     gin.clear_config()
+
+
+def test_adapter_less_checkpoint_restores_into_a_model_with_adapters(tmp_path, mesh, caplog):
+  plain = nn.meta.unbox(network.init_params(tiny_config(), jax.random.PRNGKey(0)))
+  checkpoints.write_params_checkpoint(tmp_path / "plain", plain)
+  fresh = nn.meta.unbox(network.init_params(tiny_config(adapter_dim=8), jax.random.PRNGKey(1)))
+  specs = {"encoder/layers_0/adapter/wi/kernel": P(None, "model")}
+  target = _abstract(fresh, mesh, specs)
+  fallback = network.adapter_params(
+    jax.tree.map(lambda x, t: jax.device_put(x, t.sharding), fresh, target)
+  )
+  with pytest.raises(checkpoints.CheckpointMismatchError, match="missing in checkpoint: .*adapter"):
+    checkpoints.restore_params(tmp_path / "plain", target)  # no fallback: still an error
+  params = checkpoints.restore_params(tmp_path / "plain", target, fallback=fallback)
+  flat = traverse_util.flatten_dict(params, sep="/")
+  adapter_paths = sorted(p for p in flat if "/adapter/" in p)
+  assert len(adapter_paths) == 8  # wi and wo of 2 + 2 layers
+  for path, value in traverse_util.flatten_dict(plain, sep="/").items():
+    np.testing.assert_array_equal(flat.pop(path), value, err_msg=path)
+  assert sorted(flat) == adapter_paths
+  fresh_flat = traverse_util.flatten_dict(fresh, sep="/")
+  for path in adapter_paths:
+    np.testing.assert_array_equal(flat[path], fresh_flat[path], err_msg=path)
+  assert flat["encoder/layers_0/adapter/wi/kernel"].sharding.spec == P(None, "model")
+  [warning] = [r.getMessage() for r in caplog.records if "Not in checkpoint" in r.getMessage()]
+  assert "(8): " + ", ".join(adapter_paths) in warning
+  # bfloat16 restores cast the fallback too.
+  cast = checkpoints.restore_params(tmp_path / "plain", target, fallback=fallback, dtype="bfloat16")
+  assert {x.dtype for x in jax.tree.leaves(cast)} == {jnp.dtype(jnp.bfloat16)}
+
+
+def test_fallback_does_not_excuse_unexpected_or_other_missing_parameters(tmp_path, mesh):
+  plain = nn.meta.unbox(network.init_params(tiny_config(), jax.random.PRNGKey(0)))
+  checkpoints.write_params_checkpoint(tmp_path / "plain", plain)
+  fresh = nn.meta.unbox(
+    network.init_params(
+      tiny_config(adapter_dim=8, logits_via_embedding=True), jax.random.PRNGKey(1)
+    )
+  )
+  target = _abstract(fresh, mesh)
+  with pytest.raises(
+    checkpoints.CheckpointMismatchError,
+    match=r"unexpected in checkpoint: decoder/logits_dense/kernel \(32, 64\)",
+  ) as e:
+    checkpoints.restore_params(tmp_path / "plain", target, fallback=network.adapter_params(fresh))
+  assert "missing" not in str(e.value)  # the adapters are covered by the fallback
+  untied = nn.meta.unbox(network.init_params(tiny_config(adapter_dim=8), jax.random.PRNGKey(1)))
+  checkpoints.write_params_checkpoint(
+    tmp_path / "tied",
+    nn.meta.unbox(
+      network.init_params(tiny_config(logits_via_embedding=True), jax.random.PRNGKey(0))
+    ),
+  )
+  with pytest.raises(
+    checkpoints.CheckpointMismatchError,
+    match=r"missing in checkpoint: decoder/logits_dense/kernel \(32, 64\)",
+  ):
+    checkpoints.restore_params(
+      tmp_path / "tied", _abstract(untied, mesh), fallback=network.adapter_params(untied)
+    )
+  # Restoring into the model the checkpoint was written from ignores the fallback.
+  same = checkpoints.restore_params(
+    tmp_path / "plain", _abstract(plain, mesh), fallback=network.adapter_params(fresh)
+  )
+  jax.tree.map(np.testing.assert_array_equal, same, plain)

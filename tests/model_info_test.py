@@ -113,6 +113,15 @@ def test_flops_hand_computed():
   assert flops.flops_per_token(config, 7, 3) == pytest.approx(3 * 5816 / 10)
   gated = network.T5Config(**{**vars(config), 'mlp_activations': ('gelu', 'linear')})
   assert flops.forward_flops(gated, 7, 3) == 5816 + 2 * 7 * 4 * 5 + 2 * 3 * 4 * 5
+  # Adapters, A=2: wi and wo, 2*7*4*2 each in the encoder, 2*3*4*2 each in the decoder.
+  adapted = network.T5Config(**{**vars(config), 'adapter_dim': 2})
+  assert flops.forward_flops(adapted, 7, 3) == 5816 + 2 * (2 * 7 * 4 * 2) + 2 * (2 * 3 * 4 * 2)
+
+
+def test_adapter_parameter_count():
+  # T5 1.1 small (E=512, 8+8 layers) with d=128 adapters: 2 * 512 * 128 per layer.
+  config = _config('models/t5_1_1/small.gin', ('T5Config.adapter_dim = 128',))
+  assert _num_params(config) == 76_961_152 + 16 * 2 * 512 * 128
 
 
 def _run_model_info(*args: str) -> subprocess.CompletedProcess:
@@ -132,14 +141,18 @@ def test_model_info_json():
   result = _run_model_info(
     '--gin_file=models/t5_1_1/small.gin',
     '--gin.T5Config.num_decoder_layers=4',
+    '--gin.T5Config.adapter_dim=32',
     '--input_length=64',
     '--target_length=16',
     '--json',
   )
   assert result.returncode == 0, result.stderr
   info = json.loads(result.stdout.strip().splitlines()[-1])
-  config = _config('models/t5_1_1/small.gin', ('T5Config.num_decoder_layers = 4',))
+  config = _config(
+    'models/t5_1_1/small.gin', ('T5Config.num_decoder_layers = 4', 'T5Config.adapter_dim = 32')
+  )
   assert info['num_params'] == _num_params(config)
+  assert info['adapter_params'] == (8 + 4) * 2 * 512 * 32  # part of encoder and decoder
   assert info['num_params'] == sum(info['breakdown'].values())
   assert info['breakdown']['logits'] == 32128 * 512
   assert info['flops_per_token'] == pytest.approx(flops.flops_per_token(config, 64, 16))

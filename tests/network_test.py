@@ -1,4 +1,5 @@
-"""Tests of the T5 network: packing, cached decoding, scan/remat equivalence, dropout."""
+"""Tests of the T5 network: packing, cached decoding, scan/remat equivalence, dropout,
+adapters."""
 
 import dataclasses
 import functools
@@ -199,8 +200,13 @@ def _decode_with_cache(model, params, max_len):
 
 @pytest.mark.parametrize(
   'variant',
-  [dict(), dict(scan_layers=True), dict(scan_layers=True, remat_policy='full')],
-  ids=['loop', 'scan', 'scan_remat'],
+  [
+    dict(),
+    dict(scan_layers=True),
+    dict(scan_layers=True, remat_policy='full'),
+    dict(scan_layers=True, adapter_dim=8),
+  ],
+  ids=['loop', 'scan', 'scan_remat', 'scan_adapters'],
 )
 def test_cached_decoding_matches_teacher_forcing(variant):
   # max_distance 5 < target length 7, so saturated relative buckets are exercised too.
@@ -289,3 +295,43 @@ def test_bfloat16_activations_return_float32_logits():
   reference = np.asarray(_logits(network.Transformer(TINY), params, enable_dropout=False))
   relative_error = np.linalg.norm(np.asarray(logits) - reference) / np.linalg.norm(reference)
   assert 0.0 < relative_error < 0.02
+
+
+@pytest.mark.parametrize('scan_layers', [False, True], ids=['loop', 'scan'])
+def test_adapters_at_init_are_the_identity(scan_layers):
+  plain_config = dataclasses.replace(TINY, scan_layers=scan_layers)
+  config = dataclasses.replace(plain_config, adapter_dim=8)
+  model, params = _init(plain_config)
+  fresh = nn.meta.unbox(network.init_params(config, jax.random.PRNGKey(1)))
+  adapters = network.adapter_params(fresh)
+  layers = 'layers' if scan_layers else 'layers_1'
+  stacked = (2,) if scan_layers else ()
+  assert adapters['encoder'][layers]['adapter']['wi']['kernel'].shape == stacked + (32, 8)
+  assert adapters['decoder'][layers]['adapter']['wo']['kernel'].shape == stacked + (8, 32)
+  assert network.adapter_params(params) == {}
+  with_adapters = jax.tree.map(lambda x: x, params)  # copy the dict structure
+  for stack in ('encoder', 'decoder'):
+    for name, layer in adapters[stack].items():
+      with_adapters[stack][name]['adapter'] = layer['adapter']
+  assert jax.tree.structure(with_adapters) == jax.tree.structure(fresh)
+  plain = _logits(model, params, enable_dropout=False)
+  # wo starts at zero, so each adapter adds exactly 0: equal, not merely within 1e-6.
+  adapted = _logits(network.Transformer(config), with_adapters, enable_dropout=False)
+  np.testing.assert_allclose(np.asarray(adapted), np.asarray(plain), rtol=0, atol=1e-6)
+  # The adapters are in the computation: trained (non-zero) ones change the outputs.
+  trained = jax.tree.map(lambda x: x + 0.1, adapters)
+  for stack in ('encoder', 'decoder'):
+    for name, layer in trained[stack].items():
+      with_adapters[stack][name]['adapter'] = layer['adapter']
+  changed = _logits(network.Transformer(config), with_adapters, enable_dropout=False)
+  assert not np.allclose(np.asarray(changed), np.asarray(plain), atol=1e-3)
+
+
+def test_adapter_kernels_use_the_mlp_logical_axes():
+  config = dataclasses.replace(TINY, adapter_dim=8, scan_layers=True)
+  params = jax.eval_shape(functools.partial(network.init_params, config), jax.random.PRNGKey(0))
+  adapter = params['decoder']['layers']['adapter']
+  assert adapter['wi']['kernel'].names == ('layers', 'embed', 'mlp')
+  assert adapter['wo']['kernel'].names == ('layers', 'mlp', 'embed')
+  with pytest.raises(ValueError, match='adapter_dim'):
+    dataclasses.replace(TINY, adapter_dim=-1)

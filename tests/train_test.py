@@ -15,6 +15,7 @@ import sys
 import threading
 import time
 
+import flax.linen as nn
 import gin
 import jax
 import jax.numpy as jnp
@@ -23,11 +24,13 @@ import orbax.checkpoint as ocp
 import pytest
 import seqio
 import tensorflow as tf
+from flax import traverse_util
 
 from t5x_lite import (
   checkpoints,
   console,
   data,
+  gin_config,
   models,
   network,
   optimizers,
@@ -215,6 +218,60 @@ def test_finetune_restores_params_only_and_names_missing_parameter(pretrained, t
   assert dict(mesh.shape) == {"data": 8, "model": 1}
   expected = checkpoints.restore_params(pretrained, _abstract_params(tied))
   jax.tree.map(np.testing.assert_array_equal, jax.device_get(state.params), expected)
+
+
+def _adapters_gin_patterns() -> list[str]:
+  """train.trainable_parameters of gin/runs/adapters.gin."""
+  gin_config.parse_gin(["runs/adapters.gin"], [])
+  try:
+    return list(gin.query_parameter("train.trainable_parameters"))
+  finally:
+    gin.clear_config()
+
+
+@pytest.mark.parametrize(
+  "scan_layers,num_adapters,num_norms", [(False, 6, 10), (True, 4, 7)], ids=["loop", "scan"]
+)
+def test_adapters_gin_trains_exactly_the_adapters_and_layer_norms(
+  scan_layers, num_adapters, num_norms
+):
+  patterns = _adapters_gin_patterns()
+  config = tiny_checkpoint_config(adapter_dim=8, num_decoder_layers=2, scan_layers=scan_layers)
+  params = jax.eval_shape(lambda: nn.meta.unbox(network.init_params(config, jax.random.PRNGKey(0))))
+  paths = [optimizers.param_path(p) for p, _ in jax.tree_util.tree_leaves_with_path(params)]
+  chosen = {p for p in paths if optimizers.is_trainable(p, patterns)}
+  adapters = {p for p in paths if p.split("/")[-3:-2] == ["adapter"]}
+  norms = {p for p in paths if p.split("/")[-1] == "scale"}
+  # 1 encoder + 2 decoder layers: 2 + 3 norms per layer (or per stacked layers), 2 final.
+  assert len(adapters) == num_adapters and len(norms) == num_norms
+  assert chosen == adapters | norms
+
+
+def test_adapter_finetuning_from_a_checkpoint_without_adapters(pretrained, tmp_path):
+  patterns = _adapters_gin_patterns()  # clears gin: before the binding below
+  gin.bind_parameter("TrainCheckpointer.save_period", 1)
+  model = _model(logits_via_embedding=True, adapter_dim=8)
+  state = _train(
+    tmp_path, 2, model=model, initial_checkpoint_path=str(pretrained), trainable_parameters=patterns
+  )
+  params = traverse_util.flatten_dict(jax.device_get(state.params), sep="/")
+  step_1 = traverse_util.flatten_dict(
+    checkpoints.restore_params(tmp_path / "1", _abstract_params(model)), sep="/"
+  )
+  start = checkpoints.restore_params(
+    pretrained, _abstract_params(_model(logits_via_embedding=True))
+  )
+  for path, value in traverse_util.flatten_dict(start, sep="/").items():
+    if path.endswith("_norm/scale"):
+      assert not np.array_equal(params[path], value), path  # layer norms train
+    else:
+      np.testing.assert_array_equal(params[path], value, err_msg=path)  # frozen: bitwise
+  adapters = sorted(p for p in params if "/adapter/" in p)
+  assert len(adapters) == 4
+  for path in adapters:
+    assert np.abs(params[path]).max() > 0, path
+    # wo starts at zero, so wi's first gradient is zero: both move by step 2.
+    assert not np.array_equal(params[path], step_1[path]), path
 
 
 # ---------------------------------------------------------------- subprocess

@@ -10,7 +10,8 @@ gin/models/ dirs; the gin flags are those of the entry points, `t5x_lite.gin_con
       --gin.T5Config.num_encoder_layers=6 --input_length=1024
 
 With --json the last stdout line is a JSON object with num_params,
-flops_per_token, forward_flops and a per-stack breakdown. A bad gin file or
+flops_per_token, forward_flops, a per-stack breakdown and adapter_params (the
+adapter layers' share of the encoder and decoder counts). A bad gin file or
 binding is reported as one `ERROR: <message>` line on stderr with exit status 1.
 """
 
@@ -35,20 +36,27 @@ _TARGET_LENGTH = flags.DEFINE_integer('target_length', 114, 'Decoder sequence le
 _JSON = flags.DEFINE_bool('json', False, 'Print a JSON summary as the last stdout line.')
 
 
-def param_breakdown(config: network.T5Config) -> dict[str, int]:
-  """Parameter counts per part: embedding, encoder, decoder (without logits), logits."""
+def _abstract_params(config: network.T5Config) -> dict:
   key = jax.ShapeDtypeStruct((2,), jnp.uint32)
-  params = meta.unbox(jax.eval_shape(functools.partial(network.init_params, config), key))
+  return meta.unbox(jax.eval_shape(functools.partial(network.init_params, config), key))
 
-  def count(tree) -> int:
-    return sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(tree))
 
+def _count(tree) -> int:
+  return sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(tree))
+
+
+def param_breakdown(config: network.T5Config) -> dict[str, int]:
+  """Parameter counts per part: embedding, encoder, decoder (without logits), logits.
+
+  Adapter layers (`T5Config.adapter_dim`) count in their stack.
+  """
+  params = _abstract_params(config)
   decoder = dict(params['decoder'])
-  logits = count(decoder.pop('logits_dense', {}))
+  logits = _count(decoder.pop('logits_dense', {}))
   return {
-    'embedding': count(params['token_embedder']),
-    'encoder': count(params['encoder']),
-    'decoder': count(decoder),
+    'embedding': _count(params['token_embedder']),
+    'encoder': _count(params['encoder']),
+    'decoder': _count(decoder),
     'logits': logits,
   }
 
@@ -59,6 +67,7 @@ def model_info(config: network.T5Config, input_length: int, target_length: int) 
   return {
     'num_params': sum(breakdown.values()),
     'breakdown': breakdown,
+    'adapter_params': _count(network.adapter_params(_abstract_params(config))),
     'input_length': input_length,
     'target_length': target_length,
     'flops_per_token': flops.flops_per_token(config, input_length, target_length),
@@ -92,6 +101,8 @@ def main(argv: Sequence[str]) -> None:
   for part, value in info['breakdown'].items():
     print(f'{part + " params":>32}: {value:,}')
   print(f'{"total params":>32}: {info["num_params"]:,}')
+  if info['adapter_params']:
+    print(f'{"of which adapter params":>32}: {info["adapter_params"]:,}')
   print(
     f'{"train FLOPs per token":>32}: {info["flops_per_token"]:.4g} '
     f'(inputs {info["input_length"]}, targets {info["target_length"]})'
