@@ -40,6 +40,8 @@ from flax.core import meta
 from jax.experimental import mesh_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from t5x_lite.errors import ConfigError
+
 LogicalRules = tuple[tuple[str, str | None], ...]
 MESH_AXES = ('data', 'model')
 
@@ -178,8 +180,14 @@ class Partitioner:
       devices: default all devices (compile-only devices for `t5x_lite.precompile`).
 
     Raises:
-      ValueError: if `num_partitions` does not divide the number of devices.
+      ConfigError: if `num_partitions` does not divide the number of devices.
     """
+    count = len(jax.devices() if devices is None else devices)
+    if num_partitions < 1 or count % num_partitions:
+      raise ConfigError(
+        f"Partitioner.num_partitions={num_partitions}: a mesh with model={num_partitions} "
+        f"does not match {count} devices; choose a divisor of {count}."
+      )
     self.mesh = create_mesh(num_partitions=num_partitions, devices=devices)
     self.rules = standard_logical_axis_rules(fsdp=fsdp)
 

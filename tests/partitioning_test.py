@@ -12,6 +12,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from t5x_lite import network, partitioning
+from t5x_lite.errors import ConfigError
 from tiny_models import tiny_config
 
 TINY = tiny_config()
@@ -159,5 +160,5 @@ def test_partitioner_jit_runs_and_lowers_the_same_function_in_its_context():
 
 
 def test_partitioner_rejects_num_partitions_that_do_not_divide_devices():
-  with pytest.raises(ValueError, match='does not match 8 devices'):
+  with pytest.raises(ConfigError, match='Partitioner.num_partitions=3: .*does not match 8 devices'):
     partitioning.Partitioner(num_partitions=3)
