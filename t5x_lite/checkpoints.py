@@ -288,7 +288,7 @@ def _cast_abstract(target: Any, dtype: str | None) -> Any:
   )
 
 
-def _saved_shapes(item_dir: epath.Path) -> dict[str, tuple[int, ...]]:
+def saved_shapes(item_dir: epath.Path) -> dict[str, tuple[int, ...]]:
   """Path -> shape of a StandardSave item, read from its metadata only."""
   if not item_dir.is_dir():
     raise CorruptCheckpointError(f"Checkpoint item missing: {item_dir}")
@@ -302,7 +302,7 @@ def _saved_shapes(item_dir: epath.Path) -> dict[str, tuple[int, ...]]:
 def restore_item(item_dir: epath.Path, target: Any, what: str) -> Any:
   """Validates an item's tree against `target` and restores it into it."""
   check_tree_matches(
-    _saved_shapes(item_dir),
+    saved_shapes(item_dir),
     flat_shapes(target),
     what=what,
     location=os.fspath(item_dir),
@@ -381,7 +381,7 @@ def restore_params(
   if fallback is None:
     return restore_item(item_dir, target, PARAMS)
   flat_target = traverse_util.flatten_dict(target, sep="/")
-  missing = set(flat_target) - set(_saved_shapes(item_dir))
+  missing = set(flat_target) - set(saved_shapes(item_dir))
   filled = _fallback_leaves(fallback, missing, flat_target, os.fspath(item_dir))
   if not filled:
     return restore_item(item_dir, target, PARAMS)

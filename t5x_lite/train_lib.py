@@ -9,7 +9,10 @@ and called by `python -m t5x_lite.train`. What it guarantees:
   uninterrupted run would have. A checkpoint of a different model is an error
   listing the mismatched parameters, never a silent re-initialisation.
 * Fine-tune: otherwise, with `initial_checkpoint_path`, only `params` are
-  restored (optimizer, step and data start fresh).
+  restored (optimizer, step and data start fresh); `restore_config`
+  (`partial_restore.RestoreConfig`) maps, skips or freshly initialises
+  parameters, converts scanned / unscanned layers, or also restores the
+  optimizer state and step.
 * SIGTERM / SIGINT: the running step finishes, a checkpoint is saved at that
   step, `train()` returns normally (exit status 0).
 * Non-finite loss or gradient norm (or parameters, checked before each save):
@@ -49,6 +52,7 @@ from t5x_lite import (
   models,
   network,
   optimizers,
+  partial_restore,
   partitioning,
   throughput,
   train_checkpointer,
@@ -112,12 +116,15 @@ def _setup_state(
   random_seed: int,
   initial_checkpoint_path: str | None,
   initial_checkpoint_dtype: str | None,
+  restore_config: partial_restore.RestoreConfig | None,
 ) -> _Setup:
   """Resumes from MODEL_DIR, else initialises (optionally from a checkpoint).
 
   Resuming restores the newest intact step of MODEL_DIR: corrupt newer steps are
   skipped with a warning (`TrainCheckpointer.restore_latest`). A fine-tuning start
-  takes adapter parameters the initial checkpoint lacks from the fresh init.
+  restores the initial checkpoint as `restore_config` says (default
+  `RestoreConfig()` with its gin bindings; `t5x_lite.partial_restore`): adapter
+  parameters it lacks keep their fresh (identity) init.
   """
   init_rng, rng = jax.random.split(jax.random.PRNGKey(random_seed))
   abstract, shardings = trainer.abstract_train_state(model, optimizer, partitioner)
@@ -130,15 +137,32 @@ def _setup_state(
   else:
     state, shardings = trainer.init_train_state(model, optimizer, init_rng, partitioner)
     if initial_checkpoint_path:
-      logging.info("Fine-tuning from %s (params only)", initial_checkpoint_path)
-      # Adapters added for fine-tuning start from their (identity) initialisation.
-      params = checkpoints.restore_params(
+      config = restore_config or partial_restore.RestoreConfig()
+      what = "params, optimizer state, step" if config.restore_optimizer_state else "params"
+      logging.info("Fine-tuning from %s (%s)", initial_checkpoint_path, what)
+      frozen_by = [
+        binding
+        for binding, frozen in (
+          ("train.trainable_parameters", optimizer.trainable is not None),
+          ("train.gradual_unfreezing_steps", optimizer.unfreeze_every is not None),
+        )
+        if frozen
+      ]
+      start = partial_restore.restore_start(
         initial_checkpoint_path,
         abstract.params,
+        state.params,
+        config,
         dtype=initial_checkpoint_dtype,
-        fallback=network.adapter_params(state.params),
+        abstract_opt_state=abstract.opt_state,
+        frozen_by=frozen_by,
       )
-      state = state.replace(params=params)
+      state = state.replace(params=start.params)
+      if start.opt_state is not None:
+        step = jax.device_put(jnp.asarray(start.step, jnp.int32), shardings.step)
+        state = state.replace(step=step, opt_state=start.opt_state)
+    elif restore_config is not None:
+      logging.warning("train.restore_config is ignored: train.initial_checkpoint_path is not set")
   return _Setup(state, shardings, rng, model.module.config, partitioner)
 
 
@@ -367,6 +391,7 @@ def train(
   partitioner: partitioning.Partitioner | None = None,
   initial_checkpoint_path: str | None = None,
   initial_checkpoint_dtype: str | None = None,
+  restore_config: partial_restore.RestoreConfig | None = None,
   trainable_parameters: Sequence[str] | None = None,
   gradual_unfreezing_steps: int | None = None,
   data_checkpoint_mode: str = "iterator",
@@ -396,6 +421,9 @@ def train(
       `params` are loaded when MODEL_DIR has no checkpoint yet.
     initial_checkpoint_dtype: cast the loaded params to this dtype (default:
       the model's param dtype).
+    restore_config: how the initial checkpoint is restored
+      (`partial_restore.RestoreConfig`: assignment map, fallback to fresh init,
+      optimizer state and step); default `RestoreConfig()` with its gin bindings.
     trainable_parameters: regular expressions over parameter paths
       ('encoder/layers_0/mlp/wi_0/kernel'; `re.fullmatch`) that train; the others are
       frozen (no optimizer state, bitwise unchanged). None trains everything.
@@ -436,6 +464,7 @@ def train(
       random_seed=random_seed,
       initial_checkpoint_path=initial_checkpoint_path,
       initial_checkpoint_dtype=initial_checkpoint_dtype,
+      restore_config=restore_config,
     )
     loop = _Loop(
       model,
