@@ -21,10 +21,9 @@ from collections.abc import Callable, Sequence
 
 import gin
 import jax
-import seqio
 from absl import app, flags, logging
 
-from t5x_lite import console, data
+from t5x_lite import console
 from t5x_lite.errors import ConfigError
 from t5x_lite.gin_config import check_required_macros, parse_gin_flags, resolved_macro, run_app
 
@@ -85,6 +84,10 @@ def setup(optional_macros: Sequence[str] = ()) -> None:
     ConfigError: a bad gin file or binding, an unset required macro, or a task
       module that cannot be imported.
   """
+  import seqio  # TensorFlow: only for the entry points that read data
+
+  from t5x_lite import data
+
   console.quiet_library_logs()
   initialize_distributed()
   if FLAGS.tfds_data_dir:

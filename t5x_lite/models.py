@@ -8,18 +8,26 @@ is the one place a model is built from a network config and the vocabulary.
 
 Metrics travel as sums (`losses.metric_sums`) so they add over microbatches;
 `finalize_metrics` turns them into the reported values.
+
+Importing this module loads no TensorFlow (seqio and `t5x_lite.vocab` load only when
+`build_model` needs the configured vocabulary), so a host with JAX alone can build,
+train and decode a model over any object with `eos_id` and `vocab_size`.
 """
 
-from typing import Any, Mapping
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Mapping
 
 import flax.linen as nn
 import gin
 import jax
 import jax.numpy as jnp
-import seqio
 
-from t5x_lite import decoding, losses, network, vocab
+from t5x_lite import decoding, losses, network
 from t5x_lite.errors import ConfigError
+
+if TYPE_CHECKING:
+  import seqio
 
 Batch = Mapping[str, jax.Array]
 PyTree = Any
@@ -333,6 +341,8 @@ def build_model(
   Raises:
     ConfigError: if the vocabulary has more ids than the network's embedding.
   """
+  from t5x_lite import vocab  # TensorFlow only when a model is configured
+
   config = config or network.T5Config()
   vocabulary = vocabulary or vocab.get_vocabulary()
   if vocabulary.vocab_size > config.vocab_size:

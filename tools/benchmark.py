@@ -42,10 +42,8 @@ from typing import Any
 import flax.linen as nn
 import jax
 import numpy as np
-import seqio
 from absl import app, flags
 
-import data_benchmark  # tools/data_benchmark.py, beside this script
 from t5x_lite import cli, flops, gin_config, hf_interop, models, network, optimizers
 from t5x_lite import partitioning, throughput, trainer
 
@@ -178,9 +176,18 @@ def torch_matmul_peak(size: int, dtype: Any, reps: int, device: str) -> float:
 # ------------------------------------------------------------------------------ ours
 
 
+@dataclasses.dataclass(frozen=True)
+class IdVocabulary:
+  """Token ids as they are (pad 0, eos 1): the model reads only `eos_id` and
+  `vocab_size`, and the benchmark feeds ids, so no tokenizer (or TensorFlow) loads."""
+
+  vocab_size: int
+  eos_id: int = 1
+
+
 def make_model(config: network.T5Config) -> models.EncoderDecoderModel:
-  """Our model with a pass-through vocabulary (pad 0, eos 1): ids need no tokenizer."""
-  vocab = seqio.PassThroughVocabulary(config.vocab_size, eos_id=1)
+  """Our model over `IdVocabulary`."""
+  vocab = IdVocabulary(config.vocab_size)
   return models.EncoderDecoderModel(network.Transformer(config), vocab, vocab)
 
 
@@ -350,6 +357,7 @@ def measure_hf_decode(s: Settings, hf_model: Any, inputs: np.ndarray) -> dict[st
 
 def measure_data(s: Settings) -> dict[str, float]:
   """Span corruption + packing throughput of `data_task` at the training lengths."""
+  import data_benchmark  # tools/data_benchmark.py, beside this script (TensorFlow)
   import tasks  # noqa: F401  (registers the built-in tasks)
 
   lengths = {"inputs": s.input_length, "targets": s.target_length}
@@ -502,6 +510,8 @@ def _resolve_dtype(name: str) -> str:
 def main(argv: Sequence[str]) -> None:
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+  if _COMPARE_HF.value:  # on a GPU, jax would otherwise take 75% of its memory up front
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
   gin_config.parse_gin_flags(default_files=[DEFAULT_GIN_FILE])
   config = dataclasses.replace(network.T5Config(), dtype=_resolve_dtype(_DTYPE.value))
   settings = Settings(
