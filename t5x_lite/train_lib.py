@@ -46,6 +46,7 @@ from absl import logging
 from t5x_lite import (
   checkpoints,
   data,
+  distillation,
   eval_lib,
   flops,
   metrics_logging,
@@ -163,6 +164,8 @@ def _setup_state(
         state = state.replace(step=step, opt_state=start.opt_state)
     elif restore_config is not None:
       logging.warning("train.restore_config is ignored: train.initial_checkpoint_path is not set")
+  if isinstance(model, distillation.DistillationModel):  # restored anew on every start
+    state = state.replace(teacher_params=model.restore_teacher(abstract.teacher_params))
   return _Setup(state, shardings, rng, model.module.config, partitioner)
 
 
@@ -195,7 +198,7 @@ def _all_finite(tree: Any) -> jax.Array:
 
 def _mean_metrics(metrics: Sequence[Mapping[str, float]]) -> dict[str, float]:
   """Interval means; the learning rate of the last step."""
-  keys = ("loss", "accuracy", "grad_norm", "z_loss", "cross_ent_loss")
+  keys = ("loss", "accuracy", "grad_norm", "z_loss", "cross_ent_loss", "distill_kl")
   summary = {k: float(np.mean([m[k] for m in metrics])) for k in keys if k in metrics[-1]}
   if "learning_rate" in metrics[-1]:
     summary["learning_rate"] = metrics[-1]["learning_rate"]
@@ -229,6 +232,13 @@ def write_operative_config(model_dir: str) -> None:
       f.write(gin.operative_config_str())
 
 
+def _teacher_forward_flops(model: models.EncoderDecoderModel, inputs: int, targets: int) -> float:
+  """A distillation teacher's forward FLOPs per example (0 without a teacher)."""
+  if not isinstance(model, distillation.DistillationModel):
+    return 0.0
+  return flops.forward_flops(model.teacher_module.config, inputs, targets)
+
+
 class _Loop:
   """Runs steps and decides when to log, check, save and evaluate."""
 
@@ -260,7 +270,8 @@ class _Loop:
     self.throughput = throughput.Throughput(
       rows_per_step=dataset_cfg.batch_size,
       tokens_per_step=tokens,
-      flops_per_step=flops.flops_per_token(setup.model_config, inputs, targets) * tokens,
+      flops_per_step=flops.flops_per_token(setup.model_config, inputs, targets) * tokens
+      + _teacher_forward_flops(model, inputs, targets) * dataset_cfg.batch_size,
       num_devices=setup.partitioner.mesh.devices.size,
       peak_flops_per_device=peak,
     )

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from t5x_lite import models, optimizers, partitioning
+from t5x_lite import distillation, models, optimizers, partitioning
 
 PyTree = Any
 Batch = Mapping[str, jax.Array]
@@ -38,11 +38,14 @@ class TrainState(flax.struct.PyTreeNode):
     step: int32 scalar, number of updates applied so far.
     params: plain (unboxed) parameter tree.
     opt_state: the optax state for `params`.
+    teacher_params: a `distillation.DistillationModel`'s frozen teacher params (the
+      step reads them and returns them unchanged; never checkpointed); else None.
   """
 
   step: jax.Array
   params: PyTree
   opt_state: optax.OptState
+  teacher_params: PyTree = None
 
 
 def opt_state_shardings(
@@ -103,17 +106,27 @@ def abstract_train_state(
     (abstract state, state_shardings): a TrainState of `jax.ShapeDtypeStruct`s that
     carry their sharding (a restore target for checkpoints; inputs to lower the step
     for compile-only devices), and the TrainState-shaped tree of NamedSharding
-    (params by logical axes, optimizer statistics like their params, step replicated).
+    (params by logical axes, optimizer statistics like their params, step replicated;
+    a distillation teacher's params by their logical axes).
   """
   params, param_shardings = partitioner.abstract_params(model.init_params)
   optimizer = optimizer.with_param_axes(model.param_axes())
   opt_state = jax.eval_shape(optimizer.init, params)
+  teacher, teacher_shardings = None, None
+  if isinstance(model, distillation.DistillationModel):
+    teacher, teacher_shardings = partitioner.abstract_params(model.init_teacher_params)
   shardings = TrainState(
     step=partitioner.replicated,
     params=param_shardings,
     opt_state=opt_state_shardings(opt_state, params, param_shardings, partitioner.mesh),
+    teacher_params=teacher_shardings,
   )
-  shapes = TrainState(step=jax.ShapeDtypeStruct((), jnp.int32), params=params, opt_state=opt_state)
+  shapes = TrainState(
+    step=jax.ShapeDtypeStruct((), jnp.int32),
+    params=params,
+    opt_state=opt_state,
+    teacher_params=teacher,
+  )
   abstract = jax.tree.map(
     lambda x, sharding: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
     shapes,
@@ -138,7 +151,9 @@ def init_train_state(
 
   Returns:
     (state, state_shardings): a sharded step-0 TrainState, and the TrainState-shaped
-    tree of NamedSharding used for it (pass it to `make_train_step`).
+    tree of NamedSharding used for it (pass it to `make_train_step`). A distillation
+    teacher's params are not made here: set `teacher_params` to
+    `model.restore_teacher(...)` (`train_lib` does) before the first step.
   """
   _, state_shardings = abstract_train_state(model, optimizer, partitioner)
   optimizer = optimizer.with_param_axes(model.param_axes())
@@ -150,7 +165,9 @@ def init_train_state(
     )
 
   init = partitioner.jit(
-    init_fn, in_shardings=partitioner.replicated, out_shardings=state_shardings
+    init_fn,
+    in_shardings=partitioner.replicated,
+    out_shardings=state_shardings.replace(teacher_params=None),
   )
   return init(rng), state_shardings
 
@@ -183,6 +200,7 @@ def accumulate_gradients(
   num_microbatches: int,
   mesh: Mesh,
   param_shardings: PyTree,
+  teacher_params: PyTree | None = None,
 ) -> tuple[PyTree, dict[str, jax.Array]]:
   """Gradients and metric sums of the full batch, over `num_microbatches` slices.
 
@@ -194,6 +212,8 @@ def accumulate_gradients(
     num_microbatches: number of sequential slices (1: no accumulation).
     mesh: the device mesh.
     param_shardings: NamedSharding per parameter (gradients are kept in it).
+    teacher_params: a distillation teacher's params, passed to `model.loss_fn` (which
+      is differentiated with respect to `params` only); None without a teacher.
 
   Returns:
     (grads, metric sums), both summed over microbatches.
@@ -201,9 +221,11 @@ def accumulate_gradients(
   factor, weights = model.loss_normalization(batch)
   batch = dict(batch, decoder_loss_weights=weights)
   grad_fn = jax.grad(model.loss_fn, has_aux=True)
+  teacher = {} if teacher_params is None else {"teacher_params": teacher_params}
 
   def micro_grads(mb: Batch, key: jax.Array) -> tuple[PyTree, dict[str, jax.Array]]:
-    grads, sums = grad_fn(params, mb, key, normalization=(factor, mb["decoder_loss_weights"]))
+    normalization = (factor, mb["decoder_loss_weights"])
+    grads, sums = grad_fn(params, mb, key, normalization=normalization, **teacher)
     return jax.lax.with_sharding_constraint(grads, param_shardings), sums
 
   if num_microbatches == 1:
@@ -253,7 +275,14 @@ def train_step(
   """
   step_rng = jax.random.fold_in(rng, state.step)
   grads, sums = accumulate_gradients(
-    model, state.params, batch, step_rng, num_microbatches, mesh, param_shardings
+    model,
+    state.params,
+    batch,
+    step_rng,
+    num_microbatches,
+    mesh,
+    param_shardings,
+    teacher_params=state.teacher_params,
   )
   updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
   params = optax.apply_updates(state.params, updates)
