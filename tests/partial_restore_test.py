@@ -148,7 +148,7 @@ def test_assignment_map_renames_skips_and_ignores_what_nothing_reads(tmp_path, p
     (r"encoder/layers_1/.*", None),
     (r"decoder/logits_dense/kernel", None),
   ]
-  with caplog.at_level(logging.INFO):
+  with caplog.at_level(logging.INFO, logger="absl"):
     restored = _restore(tmp_path, config, partitioner, RestoreConfig(assignment_map))
   for path, value in restored.items():
     if path.startswith("encoder/layers_1/"):
@@ -319,7 +319,7 @@ def test_scanned_and_unscanned_layouts_convert_exactly_both_ways(tmp_path, parti
   checkpoints.write_params_checkpoint(
     tmp_path / "loop", traverse_util.unflatten_dict(saved, sep="/")
   )
-  with caplog.at_level(logging.INFO):
+  with caplog.at_level(logging.INFO, logger="absl"):
     stacked = _restore(tmp_path / "loop", scan, partitioner)
   assert _warnings(caplog, "has unscanned layers: restoring them scanned")
   target = traverse_util.flatten_dict(_target(scan, partitioner), sep="/")
@@ -339,7 +339,7 @@ def test_scanned_and_unscanned_layouts_convert_exactly_both_ways(tmp_path, parti
     _logits(scan, stacked_tree), _logits(loop, _init(loop, 0)), rtol=1e-5, atol=1e-5
   )
   checkpoints.write_params_checkpoint(tmp_path / "scan", stacked_tree)
-  with caplog.at_level(logging.INFO):
+  with caplog.at_level(logging.INFO, logger="absl"):
     back = _restore(tmp_path / "scan", loop, partitioner)
   assert _warnings(caplog, "has scanned layers: restoring them unscanned")
   assert back.keys() == saved.keys()
