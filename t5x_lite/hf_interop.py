@@ -258,8 +258,14 @@ def config_to_hf(config: T5Config) -> dict[str, Any]:
   its constructor) are written.
 
   Raises:
-    ConfigError: if `config.mlp_activations` has no transformers equivalent.
+    ConfigError: if `config.mlp_activations` has no transformers equivalent, or the
+      network has a relative position bias per layer (HF's T5 has one per stack).
   """
+  if config.relpos_bias_per_layer:
+    raise ConfigError(
+      "relpos_bias_per_layer=True (a relative position bias per layer) has no transformers "
+      "T5 equivalent: HF's T5 has one per stack."
+    )
   activations = tuple(config.mlp_activations)
   if activations not in _ACTIVATIONS_TO_FF_PROJ:
     raise ConfigError(

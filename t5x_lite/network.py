@@ -54,6 +54,9 @@ class T5Config:
     adapter_dim: inner width of an adapter layer (`layers.Adapter`) after each
       feed-forward sublayer of every encoder and decoder block; 0: no adapters
       (the plain T5 network, same parameters).
+    relpos_bias_per_layer: every layer owns its relative position bias table
+      (`layers_{i}/relpos_bias`, as flaxformer's scanned T5 has it) instead of one
+      table per stack (`relpos_bias`, the T5 paper's and HF's model).
   """
 
   vocab_size: int
@@ -74,6 +77,7 @@ class T5Config:
   scan_layers: bool = False
   layer_norm_epsilon: float = 1e-6
   adapter_dim: int = 0
+  relpos_bias_per_layer: bool = False
 
   def __post_init__(self):
     # JSON round trips turn tuples into lists; keep the config hashable.
@@ -170,6 +174,7 @@ class EncoderLayer(nn.Module):
   def __call__(self, x: Array, mask_bias: Array, position_bias: Array) -> Any:
     """x [batch, length, embed] -> same; returns (x, None) when scanned."""
     cfg = self.config
+    position_bias = _layer_position_bias(cfg, position_bias, bidirectional=True)
     y = _norm(cfg, 'pre_attention_layer_norm')(x)
     y = _attention(cfg, 'attention')(
       y, y, mask_bias, position_bias, deterministic=self.deterministic
@@ -206,6 +211,7 @@ class DecoderLayer(nn.Module):
   ) -> Any:
     """x [batch, target_len, embed] -> same; returns (x, None) when scanned."""
     cfg = self.config
+    position_bias = _layer_position_bias(cfg, position_bias, bidirectional=False)
     kwargs = dict(
       deterministic=self.deterministic, decode=self.decode, decode_position=decode_position
     )
@@ -260,6 +266,24 @@ def _apply_layers(
   return x
 
 
+def _layer_position_bias(cfg: T5Config, position_bias: Array, bidirectional: bool) -> Array:
+  """A layer's relative position bias [batch|1, heads, q, k].
+
+  `position_bias` is the stack's bias, or with `relpos_bias_per_layer` the relative
+  positions [batch|1, q, k] that this layer's own table turns into one.
+  """
+  if not cfg.relpos_bias_per_layer:
+    return position_bias
+  return _relpos(cfg)(position_bias, bidirectional=bidirectional)
+
+
+def _stack_position_bias(cfg: T5Config, relative: Array, bidirectional: bool) -> Array:
+  """What a stack passes its layers: the bias of its table, or (per-layer tables) `relative`."""
+  if cfg.relpos_bias_per_layer:
+    return relative
+  return _relpos(cfg)(relative, bidirectional=bidirectional)
+
+
 def _relpos(cfg: T5Config) -> layers.RelativePositionBiases:
   return layers.RelativePositionBiases(
     cfg.relative_attention_num_buckets,
@@ -306,7 +330,8 @@ class Encoder(nn.Module):
       _segment_mask(encoder_segment_ids, encoder_segment_ids),
     )
     relative = layers.relative_positions(length, length, encoder_positions, encoder_positions)
-    position_bias = _relpos(cfg)(relative, bidirectional=True)  # [batch|1, heads, q, k]
+    # [batch|1, heads, q, k] (per-layer tables: the relative positions [batch|1, q, k])
+    position_bias = _stack_position_bias(cfg, relative, bidirectional=True)
     x = self.shared_embedding(encoder_input_tokens)  # [batch, input_len, embed]
     x = nn.Dropout(rate=cfg.dropout_rate, broadcast_dims=(-2,))(x, deterministic=deterministic)
     x = nn.with_logical_constraint(x, ('batch', 'length', 'embed'))
@@ -367,7 +392,7 @@ class Decoder(nn.Module):
       _segment_mask(decoder_segment_ids, encoder_segment_ids),
     )
     relative = layers.relative_positions(length, length, decoder_positions, decoder_positions)
-    position_bias = _relpos(self.config)(relative, bidirectional=False)
+    position_bias = _stack_position_bias(self.config, relative, bidirectional=False)
     return layers.mask_to_bias(self_mask), position_bias, layers.mask_to_bias(cross_mask)
 
   def _logits(self, x: Array) -> Array:
@@ -424,7 +449,8 @@ class Decoder(nn.Module):
     else:
       self_mask_bias = None  # the attention masks keys after decode_position itself
       distance = jnp.arange(cfg.relative_attention_max_distance + 1, dtype=jnp.int32)  # [D]
-      position_bias = _relpos(cfg)(-distance[None, None, :], bidirectional=False)  # [1,h,1,D]
+      # [1, heads, 1, D] (per-layer tables: the distances [1, 1, D])
+      position_bias = _stack_position_bias(cfg, -distance[None, None, :], bidirectional=False)
       query_valid = jnp.ones(decoder_input_tokens.shape, jnp.bool_)  # [batch, 1]
       cross_mask_bias = layers.mask_to_bias(
         layers.make_attention_mask(query_valid, encoder_input_tokens > 0)

@@ -205,8 +205,10 @@ def _decode_with_cache(model, params, max_len):
     dict(scan_layers=True),
     dict(scan_layers=True, remat_policy='full'),
     dict(scan_layers=True, adapter_dim=8),
+    dict(relpos_bias_per_layer=True),
+    dict(scan_layers=True, relpos_bias_per_layer=True),
   ],
-  ids=['loop', 'scan', 'scan_remat', 'scan_adapters'],
+  ids=['loop', 'scan', 'scan_remat', 'scan_adapters', 'relpos_per_layer', 'scan_relpos_per_layer'],
 )
 def test_cached_decoding_matches_teacher_forcing(variant):
   # max_distance 5 < target length 7, so saturated relative buckets are exercised too.
@@ -295,6 +297,30 @@ def test_bfloat16_activations_return_float32_logits():
   reference = np.asarray(_logits(network.Transformer(TINY), params, enable_dropout=False))
   relative_error = np.linalg.norm(np.asarray(logits) - reference) / np.linalg.norm(reference)
   assert 0.0 < relative_error < 0.02
+
+
+def test_relpos_bias_per_layer_owns_one_table_per_layer():
+  """Per-layer tables all equal to the stack's table give the stack-shared network's logits;
+  different tables give other logits (each layer reads its own)."""
+  config = dataclasses.replace(TINY, relpos_bias_per_layer=True)
+  model, params = _init(TINY)
+  shared = _logits(model, params, enable_dropout=False)
+  per_layer = {stack: dict(params[stack]) for stack in ('encoder', 'decoder')}
+  for stack in per_layer:
+    table = per_layer[stack].pop('relpos_bias')
+    for i in range(2):
+      per_layer[stack][f'layers_{i}'] = {**params[stack][f'layers_{i}'], 'relpos_bias': table}
+  per_layer['token_embedder'] = params['token_embedder']
+  fresh = nn.meta.unbox(network.init_params(config, jax.random.PRNGKey(0)))
+  assert jax.tree.structure(per_layer) == jax.tree.structure(fresh)
+  same = _logits(network.Transformer(config), per_layer, enable_dropout=False)
+  np.testing.assert_allclose(np.asarray(same), np.asarray(shared), rtol=0, atol=1e-6)
+  bias = per_layer['encoder']['layers_1']['relpos_bias']['rel_embedding']
+  # A shift that differs by bucket (a constant one would cancel in the softmax).
+  shifted = bias + 0.5 * jnp.arange(bias.shape[1])
+  per_layer['encoder']['layers_1']['relpos_bias'] = {'rel_embedding': shifted}
+  other = _logits(network.Transformer(config), per_layer, enable_dropout=False)
+  assert not np.allclose(np.asarray(other), np.asarray(shared), atol=1e-3)
 
 
 @pytest.mark.parametrize('scan_layers', [False, True], ids=['loop', 'scan'])
