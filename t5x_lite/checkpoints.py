@@ -8,16 +8,17 @@ abstract params with shardings (`partitioning.Partitioner.abstract_params`),
 optionally taking parameters the checkpoint lacks (adapters added for
 fine-tuning) from a fallback tree.
 Training checkpoints are written and resumed by `train_checkpointer`;
-`write_params_checkpoint` writes the params-only layout of the HF converter.
+`write_params_checkpoint` writes the converters' layout (params and config, and from
+T5X optionally the optimizer state).
 
 Layout (a checkpoint ROOT is an orbax `CheckpointManager` directory; relative
 paths are taken relative to the working directory):
 
   <root>/<step>/params/         StandardSave of the plain (unboxed) params dict
-  <root>/<step>/opt_state/      StandardSave of the optax state (training only)
+  <root>/<step>/opt_state/      StandardSave of the optax state (training, T5X converter)
   <root>/<step>/train_meta/     JsonSave: step, rng, data position, model config
   <root>/<step>/data_iterator/  one file set per host: the input pipeline position
-  <root>/<step>/config/         JsonSave of the T5Config fields (HF converter only)
+  <root>/<step>/config/         JsonSave of the T5Config fields (converters only)
   <root>/<step>/files.json      size and CRC32 of every file of the step
 
 `files.json` is written once a step is fully committed. Before a restore every
@@ -404,14 +405,17 @@ def write_params_checkpoint(
   *,
   step: int = 0,
   config: Mapping[str, Any] | None = None,
+  opt_state: Any = None,
 ) -> epath.Path:
-  """Writes a params-only checkpoint root (the HF converter's layout).
+  """Writes a converted checkpoint root (the HF and T5X converters' layout).
 
   Args:
     root: checkpoint root to create.
     params: plain params tree (arrays).
     step: step number of the written checkpoint.
     config: optional JSON-serialisable model config, item `config`.
+    opt_state: optional optax state, item `opt_state` (what
+      `RestoreConfig.restore_optimizer_state` restores).
 
   Returns:
     The step directory written.
@@ -429,6 +433,8 @@ def write_params_checkpoint(
   items = {PARAMS: ocp.args.StandardSave(params)}
   if config is not None:
     items[CONFIG] = ocp.args.JsonSave(dict(config))
+  if opt_state is not None:
+    items[OPT_STATE] = ocp.args.StandardSave(opt_state)
   with ocp.CheckpointManager(
     absolute_path(root),
     options=ocp.CheckpointManagerOptions(enable_async_checkpointing=False),

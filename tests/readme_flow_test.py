@@ -257,6 +257,7 @@ def test_readme_has_the_flows_this_test_promises():
     "local_glue_sst2",
     "my_sentiment",
     "tools/convert_hf_checkpoint.py",
+    "tools/convert_t5x_checkpoint.py",
   ):
     assert any(expected in c for c in commands), expected
   assert {"my_tasks.py", "my_sentiment.gin"} <= set(files)
