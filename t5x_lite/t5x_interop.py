@@ -112,9 +112,14 @@ def _read_orbax(state_dir: epath.Path) -> dict[str, Any]:
 
   try:
     with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as checkpointer:
-      tree = checkpointer.metadata(state_dir).item_metadata.tree
+      metadata = checkpointer.metadata(state_dir).item_metadata
+      if metadata is None:
+        raise T5XCheckpointError(f"{state_dir}: its metadata is missing or unreadable")
+      tree = metadata.tree
       args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
       return checkpointer.restore(state_dir, args=ocp.args.PyTreeRestore(restore_args=args))
+  except T5XCheckpointError:
+    raise
   except Exception as e:  # orbax raises many types for unreadable checkpoints
     raise CorruptCheckpointError(f"Cannot read the T5X orbax checkpoint {state_dir}: {e}") from e
 
@@ -133,8 +138,9 @@ def _read_tensorstore(spec: dict[str, Any], step_dir: epath.Path) -> np.ndarray:
   spec["kvstore"] = kvstore
   try:
     return np.asarray(ts.open(spec, open=True).result().read().result())
-  except Exception as e:  # tensorstore errors: name the array
-    raise CorruptCheckpointError(f"Cannot read {kvstore['path']}: {e}") from e
+  except Exception as e:  # tensorstore errors: name the array, not the whole spec
+    reason = str(e).split(" [tensorstore_spec=")[0]
+    raise CorruptCheckpointError(f"Cannot read T5X array {kvstore['path']}: {reason}") from e
 
 
 def _read_legacy(step_dir: epath.Path) -> dict[str, Any]:

@@ -15,8 +15,9 @@ import sys
 import jax
 import numpy as np
 import pytest
+import tensorstore as ts
 from flax import linen as nn
-from flax import traverse_util
+from flax import serialization, traverse_util
 
 from t5x_lite import checkpoints, models, network, optimizers, partial_restore, partitioning
 from t5x_lite import t5x_interop, trainer
@@ -305,3 +306,28 @@ def test_parity_with_t5x(arch, scan, t5x_format, tmp_path):
     f"--reference={saved['checkpoint']}",
   )
   assert compared["equal"] and compared["optimizer_state"], compared
+
+
+def test_legacy_tensorstore_arrays_are_read_and_a_missing_one_is_named(tmp_path):
+  """T5X's legacy layout keeps partitioned arrays as zarr arrays beside the msgpack file,
+  referenced by relative tensorstore specs."""
+  config = tiny_config(**WIDE)
+  params = t5x_interop.params_to_t5x(_params(config), config)
+  states = t5x_interop.fresh_t5x_param_states(config, 128)
+  step_dir = t5x_interop.write_checkpoint(tmp_path, params, states, 4, legacy=True)
+  contents = serialization.msgpack_restore((step_dir / "checkpoint").read_bytes())
+  name = "target.decoder.logits_dense.kernel"
+  kernel = params["decoder/logits_dense/kernel"]
+  spec = {"driver": "zarr", "kvstore": {"driver": "file", "path": name}}
+  absolute = {**spec, "kvstore": {"driver": "file", "path": str(step_dir / name)}}
+  store = ts.open(absolute, create=True, dtype=ts.float32, shape=kernel.shape).result()
+  store.write(kernel).result()
+  contents["optimizer"]["target"]["decoder"]["logits_dense"]["kernel"] = spec
+  (step_dir / "checkpoint").write_bytes(serialization.msgpack_serialize(contents))
+  read, _, step = t5x_interop.read_state(t5x_interop.find_step_dir(tmp_path))
+  assert step == 4
+  np.testing.assert_array_equal(read["decoder/logits_dense/kernel"], kernel)
+  for path in (step_dir / name).iterdir():
+    path.unlink()
+  with pytest.raises(checkpoints.CorruptCheckpointError, match=f"Cannot read T5X array .*{name}"):
+    t5x_interop.read_state(step_dir)
