@@ -1,24 +1,32 @@
 """Smoke test of tools/benchmark.py: a tiny config, a couple of steps, every figure.
 
-Speed is never asserted here (DESIGN.md section 6); the test checks that the tool
-runs end to end (ours, HF transformers, the input pipeline), writes the documented
-JSON keys and that every rate is a positive number.
+Speed is never asserted here (DESIGN.md section 6); the slow tests check that the tool
+runs end to end (ours, HF transformers, the input pipeline; T5X itself), writes the
+documented JSON keys and that every rate is a positive number. The fast tests check how
+T5X's figures (tools/t5x_peer_bench.py's JSON line) become ratios, MFU and table columns,
+and how a failing peer is reported, with a fake peer interpreter.
+
+The T5X test runs the real peer, `bash ../shared/peers/install_t5x.sh $HOME/t5x_peer`'s
+venv; it is skipped, saying so, when that venv is missing. T5X_PEER_PYTHON overrides it.
 """
 
 import json
 import os
 import pathlib
+import stat
 import subprocess
 import sys
 
 import pytest
 
-pytestmark = pytest.mark.slow  # subprocess runs of the entry points
+from t5x_lite import flops
+from tiny_models import tiny_config
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
+PEER_PYTHON = os.environ.get("T5X_PEER_PYTHON", os.path.expanduser("~/t5x_peer/venv/bin/python"))
 
-pytest.importorskip("torch")
-pytest.importorskip("transformers")
+sys.path.insert(0, str(REPO / "tools"))
+import benchmark  # noqa: E402  (tools/benchmark.py)
 
 RATES = (
   "train_tokens_per_s",
@@ -43,28 +51,25 @@ RATES = (
 )
 
 
-@pytest.fixture(scope="module")
-def result(tmp_path_factory) -> tuple[dict, str]:
-  out = tmp_path_factory.mktemp("bench") / "bench.json"
+TINY_FLAGS = (
+  "--gin_file=models/t5_1_1/tiny.gin",
+  "--batch_size=2",
+  "--input_length=16",
+  "--target_length=8",
+  "--decode_length=3",
+  "--num_beams=2",
+  "--reps=2",
+  "--warmup=1",
+  "--matmul_size=128",
+)
+
+
+def run_benchmark_tool(out: pathlib.Path, *flags: str) -> subprocess.CompletedProcess:
+  """tools/benchmark.py at the tiny shapes with `flags`, writing its JSON to `out`."""
   env = dict(os.environ)
   env.pop("XLA_FLAGS", None)  # the tool runs on the real (single) CPU device
-  proc = subprocess.run(
-    [
-      sys.executable,
-      str(REPO / "tools" / "benchmark.py"),
-      "--gin_file=models/t5_1_1/tiny.gin",
-      "--batch_size=2",
-      "--input_length=16",
-      "--target_length=8",
-      "--decode_length=3",
-      "--num_beams=2",
-      "--reps=2",
-      "--warmup=1",
-      "--matmul_size=128",
-      "--data_batches=2",
-      "--compare_hf",
-      f"--json={out}",
-    ],
+  return subprocess.run(
+    [sys.executable, str(REPO / "tools" / "benchmark.py"), *TINY_FLAGS, *flags, f"--json={out}"],
     cwd=REPO,
     env=env,
     capture_output=True,
@@ -72,10 +77,19 @@ def result(tmp_path_factory) -> tuple[dict, str]:
     timeout=900,
     check=False,
   )
+
+
+@pytest.fixture(scope="module")
+def result(tmp_path_factory) -> tuple[dict, str]:
+  pytest.importorskip("torch")
+  pytest.importorskip("transformers")
+  out = tmp_path_factory.mktemp("bench") / "bench.json"
+  proc = run_benchmark_tool(out, "--data_batches=2", "--compare_hf")
   assert proc.returncode == 0, proc.stderr[-4000:]
   return json.loads(out.read_text()), proc.stdout
 
 
+@pytest.mark.slow
 def test_json_has_positive_figures(result):
   figures, _ = result
   for key in RATES:
@@ -83,6 +97,7 @@ def test_json_has_positive_figures(result):
   assert 0 < figures["train_mfu"] < 1.5
 
 
+@pytest.mark.slow
 def test_same_model_both_sides(result):
   figures, _ = result
   assert figures["num_params"] == figures["hf_num_params"]
@@ -92,6 +107,7 @@ def test_same_model_both_sides(result):
   assert figures["settings"]["decode_length"] == 3
 
 
+@pytest.mark.slow
 def test_table_printed(result):
   _, stdout = result
   for label in (
@@ -102,3 +118,140 @@ def test_table_printed(result):
     "data / train consumption",
   ):
     assert label in stdout
+
+
+# ------------------------------------------------------------------------------- T5X
+
+
+def tiny_settings(**overrides) -> benchmark.Settings:
+  fields = dict(config=tiny_config(), batch_size=2, input_length=16, target_length=8)
+  fields.update(decode_length=4, num_beams=2)
+  return benchmark.Settings(**{**fields, **overrides})
+
+
+# tools/t5x_peer_bench.py's JSON line (the figures that matter here; values made up).
+FAKE_PEER = {
+  "train_step_s": 1.0,
+  "greedy_s": 0.1,
+  "beam_s": 0.8,
+  "peak_flops": 2e11,
+  "num_params": 1234,
+  "one_hot": False,
+  "gin_file": "flaxformer/t5x/configs/t5/models/t5_1_1_base.gin",
+  "gin_bindings": ["import seqio", "EMBED_DIM = 32", "NUM_HEADS = 4"],
+  "train_compile_s": 3.0,
+}
+
+
+def test_t5x_figures_become_ratios_mfu_and_columns():
+  s = tiny_settings()
+  raw = {"train_step_s": 0.5, "greedy_s": 0.2, "beam_s": 0.4, "jax_peak_flops": 1e11}
+  raw.update(benchmark.merge_t5x(FAKE_PEER))
+  r = {**raw, **benchmark.derive(s, raw)}
+
+  tokens = 2 * (16 + 8)
+  step_flops = flops.flops_per_token(s.config, 16, 8) * tokens
+  assert r["t5x_train_tokens_per_s"] == pytest.approx(tokens / 1.0)
+  assert r["t5x_greedy_tokens_per_s"] == pytest.approx(2 * 4 / 0.1)  # once per example
+  assert r["t5x_beam_tokens_per_s"] == pytest.approx(2 * 4 / 0.8)
+  # MFU as HF's: our FLOP count over the peak measured on that side.
+  assert r["t5x_train_mfu"] == pytest.approx(step_flops / 1.0 / 2e11)
+  assert r["train_mfu"] == pytest.approx(step_flops / 0.5 / 1e11)
+  assert r["train_speedup_vs_t5x"] == pytest.approx(2.0)  # ours / T5X tokens/s
+  assert r["greedy_speedup_vs_t5x"] == pytest.approx(0.5)
+  assert r["beam_speedup_vs_t5x"] == pytest.approx(2.0)
+  assert r["train_speedup_vs_hf"] is None  # HF not measured
+
+  table = benchmark.format_table(r).splitlines()
+  assert table[0].split() == ["t5x_lite", "HF", "torch", "ours/HF", "T5X", "ours/T5X"]
+  train = next(line for line in table if line.startswith("train tokens/s")).split()
+  assert train[-2:] == ["48", "2"]  # T5X's tokens/s, ours/T5X
+  assert "gather (--t5x_one_hot=false) embedding" in "\n".join(table)
+  assert "T5X" not in benchmark.format_table({k: v for k, v in r.items() if "t5x" not in k})
+
+
+def fake_interpreter(tmp_path: pathlib.Path, body: str) -> str:
+  """An executable standing in for the T5X venv's python: a shell script running `body`."""
+  path = tmp_path / "python"
+  path.write_text("#!/bin/sh\n" + body + "\n")
+  path.chmod(path.stat().st_mode | stat.S_IEXEC)
+  return str(path)
+
+
+def test_t5x_peer_gets_our_shapes_and_its_json_is_merged(tmp_path, monkeypatch):
+  # The fake peer records its arguments and XLA_FLAGS: ours without the forced device count.
+  monkeypatch.setenv(
+    "XLA_FLAGS",
+    "--xla_force_host_platform_device_count=8 --xla_cpu_experimental_ynn_fusion_type=-reduce",
+  )
+  python = fake_interpreter(
+    tmp_path,
+    f'echo "$@" > {tmp_path}/args; echo "${{XLA_FLAGS-unset}}" > {tmp_path}/xla\n'
+    "echo 'T5X logs this'; echo '" + json.dumps(FAKE_PEER) + "'",
+  )
+  figures = benchmark.run_t5x_peer(tiny_settings(compare_t5x=python, threads=3))
+  assert figures == {f"t5x_{k}": v for k, v in FAKE_PEER.items()}
+  args = (tmp_path / "args").read_text().split()
+  assert args[0].endswith("tools/t5x_peer_bench.py")
+  for flag in (
+    "--embed_dim=32",
+    "--num_heads=4",
+    "--head_dim=8",
+    "--mlp_dim=64",
+    "--num_encoder_layers=2",
+    "--num_decoder_layers=2",
+    "--vocab_size=64",
+    "--dtype=float32",
+    "--one_hot=false",
+    "--batch_size=2",
+    "--input_length=16",
+    "--target_length=8",
+    "--decode_length=4",
+    "--num_beams=2",
+    "--threads=3",
+    "--backend=cpu",
+  ):
+    assert flag in args, flag
+  assert (tmp_path / "xla").read_text().strip() == "--xla_cpu_experimental_ynn_fusion_type=-reduce"
+
+
+def test_t5x_peer_failure_is_one_line_naming_interpreter_and_stderr(tmp_path):
+  python = fake_interpreter(tmp_path, "echo 'Traceback ...' >&2; echo 'ValueError: no' >&2; exit 3")
+  with pytest.raises(benchmark.T5XPeerError) as e:
+    benchmark.run_t5x_peer(tiny_settings(compare_t5x=python))
+  assert str(e.value) == (
+    f"--compare_t5x={python}: tools/t5x_peer_bench.py exited with status 3: ValueError: no"
+  )
+  with pytest.raises(benchmark.T5XPeerError, match="missing/python: cannot run it"):
+    benchmark.run_t5x_peer(tiny_settings(compare_t5x=str(tmp_path / "missing" / "python")))
+  with pytest.raises(benchmark.T5XPeerError, match="needs a T5 1.1 model"):
+    benchmark.t5x_peer_flags(tiny_settings(config=tiny_config(mlp_activations=("relu",))))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+  not os.path.exists(PEER_PYTHON),
+  reason=f"T5X peer not installed at {PEER_PYTHON}: bash ../shared/peers/install_t5x.sh "
+  "$HOME/t5x_peer (or set T5X_PEER_PYTHON)",
+)
+def test_t5x_peer_measures_t5x(tmp_path):
+  out = tmp_path / "bench.json"
+  proc = run_benchmark_tool(out, "--skip=data", f"--compare_t5x={PEER_PYTHON}")
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  figures = json.loads(out.read_text())
+  for key in (
+    "t5x_train_tokens_per_s",
+    "t5x_train_mfu",
+    "t5x_greedy_tokens_per_s",
+    "t5x_beam_tokens_per_s",
+    "t5x_peak_flops",
+    "train_speedup_vs_t5x",
+    "greedy_speedup_vs_t5x",
+    "beam_speedup_vs_t5x",
+  ):
+    assert isinstance(figures[key], (int, float)) and figures[key] > 0, key
+  # flaxformer's T5 1.1 at our tiny sizes: the same parameters; exactly 3 tokens decoded.
+  assert figures["t5x_num_params"] == figures["num_params"]
+  assert figures["t5x_greedy_tokens_shape"] == figures["t5x_beam_tokens_shape"] == [2, 3]
+  assert figures["t5x_one_hot"] is False
+  assert "ours/T5X" in proc.stdout

@@ -1,4 +1,4 @@
-r"""Side-by-side speed of t5x_lite and HF transformers (PyTorch) T5, in one process.
+r"""Side-by-side speed of t5x_lite, HF transformers (PyTorch) T5 and T5X itself.
 
 Measures, after warm-up, the median over --reps repetitions of:
   * training step tokens/s (inputs + targets) with Adafactor: ours is the real
@@ -18,12 +18,27 @@ Measures, after warm-up, the median over --reps repetitions of:
   * train-step compile time (jax's trace + lowering + backend compile events) and peak
     resident memory (`ru_maxrss`, process-wide: jax, torch and tf.data together).
 
-Both models get the same random weights (ours, written with `hf_interop.save_hf`).
-Torch uses as many threads as XLA's CPU backend (the cores this process may run on).
+HF runs in this process, on the same random weights (ours, written with
+`hf_interop.save_hf`); torch uses as many threads as XLA's CPU backend (the cores this
+process may run on).
+
+`--compare_t5x=PYTHON` also measures Google's T5X (google-research/t5x with flaxformer):
+tools/t5x_peer_bench.py runs under PYTHON, the interpreter of a virtualenv with T5X
+installed (`bash ../shared/peers/install_t5x.sh $HOME/t5x_peer` makes one), in its own
+process, before our figures are taken. It builds flaxformer's T5 1.1 gin model of the
+same sizes (T5 1.1 configs only), with its own random weights, and times T5X's Trainer
+train step (Adafactor from the gin file, same learning rate) under
+PjitPartitioner(num_partitions=1), and T5X's own decoding (`predict_batch_with_aux` with
+`decoding.temperature_sample` at temperature 0, and `decoding.beam_search`), at the same
+shapes, dtype, repetitions, CPUs and XLA_FLAGS (ours, `cli.CPU_XLA_FLAGS` included). Its embedding
+is a gather (`--t5x_one_hot=false`, T5X's faster choice; the shipped gin is one-hot).
+Its MFU is over a matmul peak measured in its process the same way.
 
   python tools/benchmark.py --compare_hf --json=/tmp/bench.json
   python tools/benchmark.py --gin_file=models/t5_1_1/tiny.gin --batch_size=2 \
       --input_length=32 --target_length=8 --decode_length=4 --reps=2 --compare_hf
+  python tools/benchmark.py --compare_t5x=$HOME/t5x_peer/venv/bin/python --skip=data \
+      --json=/tmp/bench_t5x.json
 """
 
 from t5x_lite import console  # noqa: F401  (first: quiets TensorFlow and JAX start-up)
@@ -33,6 +48,7 @@ import json
 import os
 import resource
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -44,10 +60,16 @@ import jax
 import numpy as np
 from absl import app, flags
 
-from t5x_lite import cli, flops, gin_config, hf_interop, models, network, optimizers
+from t5x_lite import cli, errors, flops, gin_config, hf_interop, models, network, optimizers
 from t5x_lite import partitioning, throughput, trainer
 
 _COMPARE_HF = flags.DEFINE_bool("compare_hf", False, "Also measure HF transformers T5.")
+_COMPARE_T5X = flags.DEFINE_string(
+  "compare_t5x", None, "Also measure T5X: the Python interpreter of a venv with T5X installed."
+)
+_T5X_ONE_HOT = flags.DEFINE_bool(
+  "t5x_one_hot", False, "T5X's one-hot embedding (its gin's) instead of the faster gather."
+)
 _JSON = flags.DEFINE_string("json", None, "Write all figures as a JSON object here.")
 _BATCH = flags.DEFINE_integer("batch_size", 8, "Examples per training / decoding batch.")
 _INPUT_LEN = flags.DEFINE_integer("input_length", 512, "Encoder length (train and decode).")
@@ -97,6 +119,8 @@ class Settings:
     learning_rate: constant learning rate.
     threads: CPU threads for torch (XLA's CPU backend uses one per core).
     compare_hf: measure HF transformers too.
+    compare_t5x: the Python interpreter of a T5X venv ('' does not measure T5X).
+    t5x_one_hot: T5X's one-hot embedding instead of its gather embedding.
     data_task: task of the pipeline figure ('' skips it).
     data_batches: batches timed in the pipeline.
     skip: figures not measured ('train', 'decode', 'data').
@@ -114,6 +138,8 @@ class Settings:
   learning_rate: float = 0.01
   threads: int = 1
   compare_hf: bool = False
+  compare_t5x: str = ""
+  t5x_one_hot: bool = False
   data_task: str = "cpython_span_corruption"
   data_batches: int = 30
   skip: tuple[str, ...] = ()
@@ -352,6 +378,88 @@ def measure_hf_decode(s: Settings, hf_model: Any, inputs: np.ndarray) -> dict[st
   return out
 
 
+# ------------------------------------------------------------------------------- T5X
+
+_T5X_PEER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "t5x_peer_bench.py")
+
+
+class T5XPeerError(errors.UserError, RuntimeError):
+  """T5X could not be measured: the interpreter, the model or the peer process failed."""
+
+
+def t5x_peer_flags(s: Settings) -> list[str]:
+  """The command line of tools/t5x_peer_bench.py for the model and shapes of `s`."""
+  c = s.config
+  t5_1_1 = (
+    c.mlp_activations == ("gelu", "linear")
+    and not c.logits_via_embedding
+    and (c.relative_attention_num_buckets, c.relative_attention_max_distance) == (32, 128)
+    and not c.adapter_dim
+    and not c.relpos_bias_per_layer
+  )
+  if not t5_1_1:
+    raise T5XPeerError(
+      "--compare_t5x needs a T5 1.1 model (gated GELU, untied logits, one relative position "
+      "bias per stack with 32 buckets up to 128, no adapters), as in models/t5_1_1/*.gin: "
+      "T5X's side is flaxformer's t5_1_1 gin"
+    )
+  values = {
+    "embed_dim": c.emb_dim,
+    "num_heads": c.num_heads,
+    "head_dim": c.head_dim,
+    "mlp_dim": c.mlp_dim,
+    "num_encoder_layers": c.num_encoder_layers,
+    "num_decoder_layers": c.num_decoder_layers,
+    "vocab_size": c.vocab_size,
+    "dtype": c.dtype,
+    "dropout_rate": c.dropout_rate,
+    "one_hot": str(s.t5x_one_hot).lower(),
+    **{k: getattr(s, k) for k in ("batch_size", "input_length", "target_length")},
+    **{k: getattr(s, k) for k in ("decode_length", "num_beams", "reps", "warmup")},
+    **{k: getattr(s, k) for k in ("learning_rate", "matmul_size", "threads")},
+    "backend": jax.default_backend(),
+    "skip": ",".join(x for x in s.skip if x in ("train", "decode")),
+  }
+  return [f"--{k}={v}" for k, v in values.items()]
+
+
+def run_t5x_peer(s: Settings) -> dict[str, Any]:
+  """Runs tools/t5x_peer_bench.py under `s.compare_t5x`; its figures, keys prefixed 't5x_'.
+
+  Raises:
+    T5XPeerError: naming the interpreter and the peer's last stderr line.
+  """
+  # The same XLA options as ours (cli.CPU_XLA_FLAGS included): a comparison of the two
+  # codebases on one compiler, not of compiler settings; a forced device count is dropped.
+  xla_flags = os.environ.get("XLA_FLAGS", "").split()
+  env = dict(os.environ)
+  env["XLA_FLAGS"] = " ".join(
+    f for f in xla_flags if not f.startswith("--xla_force_host_platform_device_count")
+  )
+  env["OMP_NUM_THREADS"] = str(s.threads)  # XLA:CPU: one thread per CPU, inherited
+  command = [s.compare_t5x, _T5X_PEER, *t5x_peer_flags(s)]
+  try:
+    proc = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
+  except OSError as e:
+    raise T5XPeerError(
+      f"--compare_t5x={s.compare_t5x}: cannot run it ({e.strerror}); make a T5X venv with "
+      "`bash ../shared/peers/install_t5x.sh $HOME/t5x_peer`"
+    ) from e
+  lines = proc.stdout.strip().splitlines()
+  if proc.returncode == 0 and lines and lines[-1].startswith("{"):
+    return merge_t5x(json.loads(lines[-1]))
+  stderr = [line.strip() for line in proc.stderr.splitlines() if line.strip()]
+  raise T5XPeerError(
+    f"--compare_t5x={s.compare_t5x}: tools/t5x_peer_bench.py exited with status "
+    f"{proc.returncode}: {stderr[-1] if stderr else '(nothing on stderr)'}"
+  )
+
+
+def merge_t5x(peer: dict[str, Any]) -> dict[str, Any]:
+  """The peer's JSON figures as raw figures of the report: every key prefixed 't5x_'."""
+  return {f"t5x_{k}": v for k, v in peer.items()}
+
+
 # ------------------------------------------------------------------------------ data
 
 
@@ -374,6 +482,10 @@ def _ratio(numerator: float | None, denominator: float | None) -> float | None:
   return numerator / denominator
 
 
+# The matmul peak each side's MFU is computed against (each measured in its own framework).
+_PEAK_KEYS = {"": "jax_peak_flops", "hf_": "torch_peak_flops", "t5x_": "t5x_peak_flops"}
+
+
 def derive(s: Settings, raw: dict[str, Any]) -> dict[str, Any]:
   """Rates, MFU and speedups from the raw timings."""
   tokens_per_step = s.batch_size * (s.input_length + s.target_length)
@@ -382,9 +494,9 @@ def derive(s: Settings, raw: dict[str, Any]) -> dict[str, Any]:
   )
   decoded = s.batch_size * s.decode_length
   out = {"train_tokens_per_step": tokens_per_step, "train_flops_per_step": flops_per_step}
-  for prefix in ("", "hf_"):
+  for prefix, peak_key in _PEAK_KEYS.items():
     step = raw.get(f"{prefix}train_step_s")
-    peak = raw.get("jax_peak_flops" if not prefix else "torch_peak_flops")
+    peak = raw.get(peak_key)
     if step:
       out[f"{prefix}train_tokens_per_s"] = tokens_per_step / step
       out[f"{prefix}train_model_flops_per_s"] = flops_per_step / step
@@ -392,13 +504,11 @@ def derive(s: Settings, raw: dict[str, Any]) -> dict[str, Any]:
     for name in ("greedy", "beam"):
       if raw.get(f"{prefix}{name}_s"):
         out[f"{prefix}{name}_tokens_per_s"] = decoded / raw[f"{prefix}{name}_s"]
-  out["train_speedup_vs_hf"] = _ratio(
-    out.get("train_tokens_per_s"), out.get("hf_train_tokens_per_s")
-  )
-  for name in ("greedy", "beam"):
-    out[f"{name}_speedup_vs_hf"] = _ratio(
-      out.get(f"{name}_tokens_per_s"), out.get(f"hf_{name}_tokens_per_s")
-    )
+  for peer in ("hf", "t5x"):
+    for name in ("train", "greedy", "beam"):
+      out[f"{name}_speedup_vs_{peer}"] = _ratio(
+        out.get(f"{name}_tokens_per_s"), out.get(f"{peer}_{name}_tokens_per_s")
+      )
   if raw.get("train_step_s") and raw.get("data_rows_per_s"):
     examples_per_row = raw["data_examples_per_s"] / raw["data_rows_per_s"]
     out["train_examples_per_s"] = s.batch_size * examples_per_row / raw["train_step_s"]
@@ -418,6 +528,8 @@ def run_benchmark(s: Settings) -> dict[str, Any]:
     "config": dataclasses.asdict(s.config),
     "settings": {k: v for k, v in dataclasses.asdict(s).items() if k != "config"},
   }
+  if s.compare_t5x:  # first: a peer that cannot run fails before the long measurements
+    raw.update(run_t5x_peer(s))
   raw["jax_peak_flops"] = throughput.measure_matmul_flops(s.matmul_size, dtype, s.reps)
   model = make_model(s.config)
   holder: dict[str, Any] = {}
@@ -452,19 +564,27 @@ def run_benchmark(s: Settings) -> dict[str, Any]:
   return {**raw, **derive(s, raw)}
 
 
+# label, our figure (a peer's has its prefix; the peak has a key per side), ratio stem.
 _ROWS = (
-  ("train tokens/s", "train_tokens_per_s", "hf_train_tokens_per_s", "train_speedup_vs_hf"),
-  ("train MFU", "train_mfu", "hf_train_mfu", None),
-  ("train step s", "train_step_s", "hf_train_step_s", None),
-  (
-    "greedy decode tokens/s",
-    "greedy_tokens_per_s",
-    "hf_greedy_tokens_per_s",
-    "greedy_speedup_vs_hf",
-  ),
-  ("beam decode tokens/s", "beam_tokens_per_s", "hf_beam_tokens_per_s", "beam_speedup_vs_hf"),
-  ("peak matmul GFLOP/s", "jax_peak_flops", "torch_peak_flops", None),
-  ("parameters", "num_params", "hf_num_params", None),
+  ("train tokens/s", "train_tokens_per_s", "train"),
+  ("train MFU", "train_mfu", None),
+  ("train step s", "train_step_s", None),
+  ("greedy decode tokens/s", "greedy_tokens_per_s", "greedy"),
+  ("beam decode tokens/s", "beam_tokens_per_s", "beam"),
+  ("peak matmul GFLOP/s", "peak_flops", None),
+  ("parameters", "num_params", None),
+)
+_EXTRAS = (
+  ("train compile s", "train_compile_s"),
+  ("train first call s", "train_first_call_s"),
+  ("T5X train compile s", "t5x_train_compile_s"),
+  ("data examples/s", "data_examples_per_s"),
+  ("train examples/s", "train_examples_per_s"),
+  ("data / train consumption", "data_vs_train_consumption"),
+  ("greedy token agreement", "greedy_token_agreement"),
+  ("max RSS MiB (ours only)", "max_rss_mib_ours"),
+  ("max RSS MiB (all)", "max_rss_mib"),
+  ("max RSS MiB (T5X process)", "t5x_max_rss_mib"),
 )
 
 
@@ -477,27 +597,25 @@ def _fmt(value: Any) -> str:
 
 
 def format_table(r: dict[str, Any]) -> str:
-  """A plain-text table of the main figures."""
-  lines = [f"{'':26}{'t5x_lite':>14}{'HF torch':>14}{'ours/HF':>10}"]
-  for label, ours, hf, ratio in _ROWS:
+  """A plain-text table of the main figures (T5X's columns when it was measured)."""
+  peers = [("HF torch", "HF", "hf")] + ([("T5X", "T5X", "t5x")] if "t5x_num_params" in r else [])
+  lines = [f"{'':26}{'t5x_lite':>14}" + "".join(f"{n:>14}{'ours/' + a:>10}" for n, a, _ in peers)]
+  for label, key, ratio in _ROWS:
     scale = 1e-9 if "GFLOP" in label else 1.0
-    values = [r.get(ours), r.get(hf)]
-    values = [None if v is None else v * scale for v in values]
-    lines.append(
-      f"{label:26}{_fmt(values[0]):>14}{_fmt(values[1]):>14}"
-      f"{_fmt(r.get(ratio)) if ratio else '':>10}"
-    )
-  extras = (
-    ("train compile s", "train_compile_s"),
-    ("train first call s", "train_first_call_s"),
-    ("data examples/s", "data_examples_per_s"),
-    ("train examples/s", "train_examples_per_s"),
-    ("data / train consumption", "data_vs_train_consumption"),
-    ("greedy token agreement", "greedy_token_agreement"),
-    ("max RSS MiB (ours only)", "max_rss_mib_ours"),
-    ("max RSS MiB (all)", "max_rss_mib"),
-  )
-  lines += [f"{label:26}{_fmt(r.get(key)):>14}" for label, key in extras if key in r]
+    line = f"{label:26}"
+    for prefix in [""] + [f"{p}_" for _, _, p in peers]:
+      value = r.get(_PEAK_KEYS[prefix] if key == "peak_flops" else prefix + key)
+      line += f"{_fmt(None if value is None else value * scale):>14}"
+      if prefix:
+        line += f"{_fmt(r.get(f'{ratio}_speedup_vs_{prefix[:-1]}')) if ratio else '':>10}"
+    lines.append(line)
+  lines += [f"{label:26}{_fmt(r.get(key)):>14}" for label, key in _EXTRAS if key in r]
+  if "t5x_one_hot" in r:
+    embedding = "one-hot (--t5x_one_hot)" if r["t5x_one_hot"] else "gather (--t5x_one_hot=false)"
+    gin_file, bindings = r["t5x_gin_file"].split("/")[-1], r["t5x_gin_bindings"]
+    count = sum("=" in b for b in bindings)
+    lines.append(f"T5X: {gin_file} + {count} gin bindings (--json: t5x_gin_bindings)")
+    lines.append(f"T5X: {embedding} embedding, its own random weights, our XLA_FLAGS")
   return "\n".join(lines)
 
 
@@ -510,7 +628,7 @@ def _resolve_dtype(name: str) -> str:
 def main(argv: Sequence[str]) -> None:
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
-  if _COMPARE_HF.value:  # on a GPU, jax would otherwise take 75% of its memory up front
+  if _COMPARE_HF.value or _COMPARE_T5X.value:  # on a GPU, jax would take 75% up front
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
   gin_config.parse_gin_flags(default_files=[DEFAULT_GIN_FILE])
   config = dataclasses.replace(network.T5Config(), dtype=_resolve_dtype(_DTYPE.value))
@@ -527,6 +645,8 @@ def main(argv: Sequence[str]) -> None:
     learning_rate=_LR.value,
     threads=len(os.sched_getaffinity(0)),
     compare_hf=_COMPARE_HF.value,
+    compare_t5x=_COMPARE_T5X.value or "",
+    t5x_one_hot=_T5X_ONE_HOT.value,
     data_task=_DATA_TASK.value,
     data_batches=_DATA_BATCHES.value,
     skip=tuple(_SKIP.value),
