@@ -136,17 +136,7 @@ class DistillationModel(models.EncoderDecoderModel):
 
   def _teacher_logits(self, teacher_params: PyTree, batch: Batch) -> jax.Array:
     """The teacher's teacher-forced logits [batch, length, vocab], no dropout."""
-    logits = self.teacher_module.apply(
-      {"params": teacher_params},
-      batch["encoder_input_tokens"],
-      batch["decoder_input_tokens"],
-      batch["decoder_target_tokens"],
-      encoder_segment_ids=batch.get("encoder_segment_ids"),
-      decoder_segment_ids=batch.get("decoder_segment_ids"),
-      encoder_positions=batch.get("encoder_positions"),
-      decoder_positions=batch.get("decoder_positions"),
-      enable_dropout=False,
-    )
+    logits = models.teacher_forced_logits(self.teacher_module, teacher_params, batch, None)
     return jax.lax.stop_gradient(logits)
 
   def loss_fn(
@@ -170,14 +160,7 @@ class DistillationModel(models.EncoderDecoderModel):
       return super().loss_fn(params, batch, dropout_rng, normalization=normalization)
     factor, weights = normalization or self.loss_normalization(batch)
     logits = self._logits(params, batch, dropout_rng)
-    hard, z_loss, _ = losses.compute_weighted_cross_entropy(
-      logits,
-      batch["decoder_target_tokens"],
-      weights,
-      label_smoothing=self.label_smoothing,
-      z_loss=self.z_loss,
-      loss_normalizing_factor=factor,
-    )
+    hard, z_loss = self._cross_entropy(logits, batch, weights, factor)
     kl = soft_target_kl(logits, self._teacher_logits(teacher_params, batch), self.temperature)
     soft = jnp.sum(kl * weights) / factor
     loss = self.alpha * self.temperature**2 * soft + (1.0 - self.alpha) * hard

@@ -82,19 +82,21 @@ class EncoderDecoderModel:
 
   def _logits(self, params: PyTree, batch: Batch, dropout_rng: jax.Array | None) -> jax.Array:
     """Teacher-forced logits [batch, target_len, vocab]."""
-    rngs = None if dropout_rng is None else {"dropout": dropout_rng}
-    return self.module.apply(
-      {"params": params},
-      batch["encoder_input_tokens"],
-      batch["decoder_input_tokens"],
+    return teacher_forced_logits(self.module, params, batch, dropout_rng)
+
+  def _cross_entropy(
+    self, logits: jax.Array, batch: Batch, weights: jax.Array, factor: float | jax.Array
+  ) -> tuple[jax.Array, jax.Array]:
+    """(loss, z_loss) of `logits` against the batch's targets, with this model's settings."""
+    loss, z_loss, _ = losses.compute_weighted_cross_entropy(
+      logits,
       batch["decoder_target_tokens"],
-      encoder_segment_ids=batch.get("encoder_segment_ids"),
-      decoder_segment_ids=batch.get("decoder_segment_ids"),
-      encoder_positions=batch.get("encoder_positions"),
-      decoder_positions=batch.get("decoder_positions"),
-      enable_dropout=dropout_rng is not None,
-      rngs=rngs,
+      weights,
+      label_smoothing=self.label_smoothing,
+      z_loss=self.z_loss,
+      loss_normalizing_factor=factor,
     )
+    return loss, z_loss
 
   def loss_normalization(self, batch: Batch) -> tuple[float | jax.Array, jax.Array]:
     """The normalizing factor and loss weights of a whole batch.
@@ -136,14 +138,7 @@ class EncoderDecoderModel:
     """
     factor, weights = normalization or self.loss_normalization(batch)
     logits = self._logits(params, batch, dropout_rng)
-    loss, z_loss, _ = losses.compute_weighted_cross_entropy(
-      logits,
-      batch["decoder_target_tokens"],
-      weights,
-      label_smoothing=self.label_smoothing,
-      z_loss=self.z_loss,
-      loss_normalizing_factor=factor,
-    )
+    loss, z_loss = self._cross_entropy(logits, batch, weights, factor)
     return loss, losses.metric_sums(logits, batch, weights, loss, z_loss)
 
   @staticmethod
@@ -313,6 +308,26 @@ class EncoderDecoderModel:
   ) -> jax.Array:
     """`predict_batch_with_aux` without the scores (same arguments)."""
     return self.predict_batch_with_aux(params, batch, rng, **kwargs)[0]
+
+
+def teacher_forced_logits(
+  module: network.Transformer, params: PyTree, batch: Batch, dropout_rng: jax.Array | None
+) -> jax.Array:
+  """`module`'s float32 logits [batch, target_len, vocab] on a batch of
+  EncDecFeatureConverter features (packing ones included); dropout iff `dropout_rng`."""
+  rngs = None if dropout_rng is None else {"dropout": dropout_rng}
+  return module.apply(
+    {"params": params},
+    batch["encoder_input_tokens"],
+    batch["decoder_input_tokens"],
+    batch["decoder_target_tokens"],
+    encoder_segment_ids=batch.get("encoder_segment_ids"),
+    decoder_segment_ids=batch.get("decoder_segment_ids"),
+    encoder_positions=batch.get("encoder_positions"),
+    decoder_positions=batch.get("decoder_positions"),
+    enable_dropout=dropout_rng is not None,
+    rngs=rngs,
+  )
 
 
 def _zero_after_eos(tokens: jax.Array, eos_id: int) -> jax.Array:

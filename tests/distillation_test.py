@@ -11,7 +11,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import seqio
 import tensorflow as tf
 
 from t5x_lite import (
@@ -27,10 +26,10 @@ from t5x_lite import (
   train_lib,
   trainer,
 )
+from text_tasks import VOCAB, register_text_task
 from tiny_models import tiny_checkpoint_config
 
 TASK = "distillation_test_text"
-VOCAB = seqio.ByteVocabulary()
 
 
 def _source(split: str, shuffle_files: bool, seed: int | None = None) -> tf.data.Dataset:
@@ -39,20 +38,8 @@ def _source(split: str, shuffle_files: bool, seed: int | None = None) -> tf.data
   return tf.data.Dataset.from_tensor_slices({"inputs": texts, "targets": texts[::-1]})
 
 
-if TASK not in seqio.TaskRegistry.names():
-  seqio.TaskRegistry.add(
-    TASK,
-    source=seqio.FunctionDataSource(_source, splits=["train", "validation"]),
-    preprocessors=[seqio.preprocessors.tokenize, seqio.preprocessors.append_eos],
-    output_features={"inputs": seqio.Feature(VOCAB), "targets": seqio.Feature(VOCAB)},
-  )
-
-
-@pytest.fixture(autouse=True)
-def _clean_gin():
-  gin.clear_config()
-  yield
-  gin.clear_config()
+register_text_task(TASK, _source, ["train", "validation"])
+pytestmark = pytest.mark.usefixtures("clean_gin")
 
 
 def _batch(seed: int = 0, batch: int = 3, inputs: int = 7, targets: int = 5) -> dict:

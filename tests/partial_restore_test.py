@@ -10,7 +10,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import seqio
 import tensorflow as tf
 from flax import traverse_util
 from jax.sharding import PartitionSpec as P
@@ -30,9 +29,9 @@ from t5x_lite import (
 from t5x_lite import errors
 from t5x_lite.errors import CheckpointError, ConfigError
 from t5x_lite.partial_restore import RestoreConfig
+from text_tasks import VOCAB, register_text_task
 from tiny_models import tiny_checkpoint_config, tiny_config
 
-VOCAB = seqio.ByteVocabulary()
 TASK = "partial_restore_test_text"
 MismatchError = checkpoints.CheckpointMismatchError
 
@@ -43,20 +42,8 @@ def _source(split: str, shuffle_files: bool, seed: int | None = None) -> tf.data
   return tf.data.Dataset.from_tensor_slices({"inputs": texts, "targets": texts})
 
 
-if TASK not in seqio.TaskRegistry.names():
-  seqio.TaskRegistry.add(
-    TASK,
-    source=seqio.FunctionDataSource(_source, splits=["train"]),
-    preprocessors=[seqio.preprocessors.tokenize, seqio.preprocessors.append_eos],
-    output_features={"inputs": seqio.Feature(VOCAB), "targets": seqio.Feature(VOCAB)},
-  )
-
-
-@pytest.fixture(autouse=True)
-def _clean_gin():
-  gin.clear_config()
-  yield
-  gin.clear_config()
+register_text_task(TASK, _source, ["train"])
+pytestmark = pytest.mark.usefixtures("clean_gin")
 
 
 @pytest.fixture(scope="module")

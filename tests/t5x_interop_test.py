@@ -21,7 +21,7 @@ from flax import serialization, traverse_util
 
 from t5x_lite import checkpoints, models, network, optimizers, partial_restore, partitioning
 from t5x_lite import t5x_interop, trainer
-from tests.tiny_models import tiny_config
+from tiny_models import tiny_config
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PEER_PYTHON = os.environ.get("T5X_PEER_PYTHON", os.path.expanduser("~/t5x_peer/venv/bin/python"))

@@ -22,7 +22,6 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-import seqio
 import tensorflow as tf
 from flax import traverse_util
 
@@ -38,12 +37,12 @@ from t5x_lite import (
   train_checkpointer,
   train_lib,
 )
+from text_tasks import VOCAB, register_text_task
 from tiny_models import tiny_checkpoint_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIXED_TASK = "train_test_fixed_pair"
 TEXT_TASK = "train_test_text"
-VOCAB = seqio.ByteVocabulary()
 
 
 def _fixed_source(split: str, shuffle_files: bool, seed: int | None = None) -> tf.data.Dataset:
@@ -59,21 +58,9 @@ def _text_source(split: str, shuffle_files: bool, seed: int | None = None) -> tf
   return tf.data.Dataset.from_tensor_slices({"inputs": texts, "targets": texts})
 
 
-for _name, _fn in ((FIXED_TASK, _fixed_source), (TEXT_TASK, _text_source)):
-  if _name not in seqio.TaskRegistry.names():
-    seqio.TaskRegistry.add(
-      _name,
-      source=seqio.FunctionDataSource(_fn, splits=["train", "validation"]),
-      preprocessors=[seqio.preprocessors.tokenize, seqio.preprocessors.append_eos],
-      output_features={"inputs": seqio.Feature(VOCAB), "targets": seqio.Feature(VOCAB)},
-    )
-
-
-@pytest.fixture(autouse=True)
-def _clean_gin():
-  gin.clear_config()
-  yield
-  gin.clear_config()
+register_text_task(FIXED_TASK, _fixed_source, ["train", "validation"])
+register_text_task(TEXT_TASK, _text_source, ["train", "validation"])
+pytestmark = pytest.mark.usefixtures("clean_gin")
 
 
 def _model(**overrides) -> models.EncoderDecoderModel:
