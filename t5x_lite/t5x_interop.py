@@ -168,9 +168,8 @@ def read_state(step_dir: epath.Path) -> tuple[Flat, Flat, int]:
     CorruptCheckpointError: an unreadable file, named.
     T5XCheckpointError: contents that are not a T5X TrainState.
   """
-  state = _read_orbax(step_dir / STATE_DIR) if (step_dir / STATE_DIR).is_dir() else None
-  if state is None:
-    state = _read_legacy(step_dir)
+  orbax_dir = step_dir / STATE_DIR
+  state = _read_orbax(orbax_dir) if orbax_dir.is_dir() else _read_legacy(step_dir)
   if not isinstance(state, dict) or "target" not in state:
     raise T5XCheckpointError(f"{step_dir} holds no T5X parameters ('target')")
   flat = traverse_util.flatten_dict(state, sep="/")

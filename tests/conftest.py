@@ -14,6 +14,12 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # One offline vocabulary trained per machine and shared by every test (and xdist worker).
 os.environ.setdefault("T5X_LITE_CACHE", os.path.join(tempfile.gettempdir(), "t5x_lite_test_cache"))
+# JAX's persistent compilation cache, shared by the tests and the entry points and tools
+# they run as subprocesses: programs that take a second or more to compile (train and
+# decode steps of the tiny configs, which many tests share) compile once per machine.
+os.environ.setdefault(
+  "JAX_COMPILATION_CACHE_DIR", os.path.join(os.environ["T5X_LITE_CACHE"], "jax_compilation_cache")
+)
 
 
 @pytest.fixture
@@ -22,3 +28,23 @@ def clean_gin():
   gin.clear_config()
   yield
   gin.clear_config()
+
+
+# The README-flow test's two halves take about six minutes each, far longer than any other
+# test. With `-n N --dist worksteal` (the suite's command) worker k starts with the k-th
+# N-th of the collection; putting one half at the start of each of the first two shares
+# runs them side by side from the start, the short tests filling in around them.
+_LONGEST = "readme_flow_test.py::test_readme_commands_run_as_written"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+  # Runs in each xdist worker, which knows the worker count and the command line.
+  worker = getattr(config, "workerinput", None)
+  if worker is None or "worksteal" not in " ".join(worker.get("mainargv", [])):
+    return
+  longest = [item for item in items if _LONGEST in item.nodeid]
+  if len(longest) != 2 or worker["workercount"] < 2:
+    return
+  rest = [item for item in items if _LONGEST not in item.nodeid]
+  share = len(items) // worker["workercount"]
+  items[:] = [longest[0], *rest[: share - 1], longest[1], *rest[share - 1 :]]

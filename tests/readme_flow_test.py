@@ -285,6 +285,7 @@ def test_readme_commands_run_as_written(tmp_path, half):
       ["bash", "-c", step.command], cwd=root, env=env, capture_output=True, text=True, timeout=900
     )
     output = result.stdout + result.stderr
+    print(f"{time.time() - start:5.0f} s  README.md:{step.line}  {step.command[:90]}")  # with -s
     assert result.returncode == 0, (
       f"README.md:{step.line}: `{step.command}` exited {result.returncode} after "
       f"{time.time() - start:.0f} s:\n{output[-4000:]}"
