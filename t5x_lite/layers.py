@@ -319,23 +319,31 @@ class RelativePositionBiases(nn.Module):
     )
     bucket = relative_position_bucket(
       relative_position, bidirectional, self.num_buckets, self.max_distance
-    )
-    values = jnp.take(jnp.asarray(table, self.dtype), bucket, axis=1)  # [heads, batch|1, q, k]
-    return jnp.moveaxis(values, 0, 1)  # [batch|1, heads, q, k]
+    )  # [batch|1, q, k]
+    # A one-hot matmul, heads-major, rather than a gather: its gradient is a matmul
+    # too, where a gather's is a scatter over [q*k, heads] rows, which TPUs lay out
+    # with `heads` padded to 128 lanes (a [32, 512, 512, 6] float32 gradient took
+    # 4 GiB per chip). HIGHEST keeps the table's float32 values exact on TPUs.
+    one_hot = jax.nn.one_hot(bucket, self.num_buckets, dtype=self.dtype)  # [batch|1, q, k, buckets]
+    return jnp.einsum(
+      'hn,bqkn->bhqk',
+      jnp.asarray(table, self.dtype),
+      one_hot,
+      precision=jax.lax.Precision.HIGHEST,
+    )  # [batch|1, heads, q, k]
 
 
-def relative_positions(
-  length_q: int, length_k: int, positions_q: Array | None = None, positions_k: Array | None = None
-) -> Array:
-  """key_position - query_position as [batch|1, q, k] int32.
+def relative_positions(length_q: int, length_k: int) -> Array:
+  """key_index - query_index as [1, q, k] int32.
 
-  Without positions, uses 0..length-1 (shape [1, q, k]); with packing positions
-  (restarting per segment) uses them (shape [batch, q, k]).
+  Packed examples need no positions here: inside a segment, positions run on
+  with the index, so their differences equal the index differences, and pairs
+  across segments are masked. One bias without a batch axis serves the whole
+  batch, as in T5X.
   """
-  if positions_q is None or positions_k is None:
-    positions_q = jnp.arange(length_q, dtype=jnp.int32)[None]  # [1, q]
-    positions_k = jnp.arange(length_k, dtype=jnp.int32)[None]  # [1, k]
-  return positions_k[:, None, :] - positions_q[:, :, None]  # [batch|1, q, k]
+  positions_q = jnp.arange(length_q, dtype=jnp.int32)[None]  # [1, q]
+  positions_k = jnp.arange(length_k, dtype=jnp.int32)[None]  # [1, k]
+  return positions_k[:, None, :] - positions_q[:, :, None]  # [1, q, k]
 
 
 def make_attention_mask(
@@ -396,8 +404,9 @@ def dot_product_attention(
   dropout_rng: Array | None,
   dtype: Dtype,
   heads_major_kv: bool = False,
+  logits_dtype: Dtype = jnp.float32,
 ) -> Array:
-  """Unscaled dot-product attention with float32 logits and softmax.
+  """Unscaled dot-product attention; logits, biases and softmax in `logits_dtype`.
 
   Args:
     query: [batch, q, heads, kv].
@@ -410,15 +419,18 @@ def dot_product_attention(
     dtype: dtype of the weights used in the value matmul.
     heads_major_kv: key/value come as [batch, heads, k, kv] (the decode caches'
       layout, in which both matmuls need no transpose of the long key axis).
+    logits_dtype: dtype of the logits and the softmax: float32 (T5X's
+      `float32_logits=True`), or bfloat16 (flaxformer's default with bfloat16
+      activations), which halves the [batch, heads, q, k] buffers.
 
   Returns:
     [batch, q, heads, kv].
   """
   kv_axes = 'bhkd' if heads_major_kv else 'bkhd'
   # [batch, q, heads, kv] x key -> [batch, heads, q, k]
-  logits = jnp.einsum(f'bqhd,{kv_axes}->bhqk', query, key, preferred_element_type=jnp.float32)
+  logits = jnp.einsum(f'bqhd,{kv_axes}->bhqk', query, key, preferred_element_type=logits_dtype)
   for bias in biases:
-    logits = logits + bias
+    logits = logits + bias.astype(logits_dtype)
   weights = jax.nn.softmax(logits, axis=-1).astype(dtype)
   if not deterministic and dropout_rate > 0.0:
     keep_prob = 1.0 - dropout_rate
@@ -451,6 +463,8 @@ class MultiHeadAttention(nn.Module):
     cross_attention: whether keys/values come from a fixed encoder output.
     dtype: computation dtype.
     param_dtype: storage dtype of the kernels.
+    logits_dtype: dtype of the attention logits and softmax (see
+      `dot_product_attention`).
   """
 
   num_heads: int
@@ -459,6 +473,7 @@ class MultiHeadAttention(nn.Module):
   cross_attention: bool = False
   dtype: Dtype = jnp.float32
   param_dtype: Dtype = jnp.float32
+  logits_dtype: Dtype = jnp.float32
 
   def _in_projection(self, name: str, emb_dim: int, scale: float) -> Projection:
     return Projection(
@@ -575,6 +590,7 @@ class MultiHeadAttention(nn.Module):
       dropout_rng,
       self.dtype,
       heads_major_kv=step,
+      logits_dtype=self.logits_dtype,
     )
     # [batch, q, heads, kv] -> [batch, q, embed]
     return Projection(

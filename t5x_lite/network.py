@@ -57,6 +57,10 @@ class T5Config:
     relpos_bias_per_layer: every layer owns its relative position bias table
       (`layers_{i}/relpos_bias`, as flaxformer's scanned T5 has it) instead of one
       table per stack (`relpos_bias`, the T5 paper's and HF's model).
+    attention_logits_dtype: dtype name of the attention logits and softmax:
+      'float32' (T5X's `float32_logits=True`), or 'bfloat16' (flaxformer's
+      default with bfloat16 activations; halves the largest activations of
+      training, the [batch, heads, q, k] logits and weights).
   """
 
   vocab_size: int
@@ -78,15 +82,14 @@ class T5Config:
   layer_norm_epsilon: float = 1e-6
   adapter_dim: int = 0
   relpos_bias_per_layer: bool = False
+  attention_logits_dtype: str = 'float32'
 
   def __post_init__(self):
     # JSON round trips turn tuples into lists; keep the config hashable.
     object.__setattr__(self, 'mlp_activations', tuple(self.mlp_activations))
-    if self.dtype not in _DTYPES or self.param_dtype not in _DTYPES:
-      raise ValueError(
-        f'dtype/param_dtype must be one of {sorted(_DTYPES)}, '
-        f'got {self.dtype!r}/{self.param_dtype!r}'
-      )
+    for name in ('dtype', 'param_dtype', 'attention_logits_dtype'):
+      if getattr(self, name) not in _DTYPES:
+        raise ValueError(f'{name} must be one of {sorted(_DTYPES)}, got {getattr(self, name)!r}')
     if self.remat_policy not in _REMAT_POLICIES:
       raise ValueError(f'remat_policy must be one of {_REMAT_POLICIES}, got {self.remat_policy!r}')
     if self.adapter_dim < 0:
@@ -122,6 +125,7 @@ def _attention(cfg: T5Config, name: str, cross: bool = False) -> layers.MultiHea
     cross,
     cfg.activation_dtype,
     cfg.parameter_dtype,
+    _DTYPES[cfg.attention_logits_dtype],
     name=name,
   )
 
@@ -267,10 +271,10 @@ def _apply_layers(
 
 
 def _layer_position_bias(cfg: T5Config, position_bias: Array, bidirectional: bool) -> Array:
-  """A layer's relative position bias [batch|1, heads, q, k].
+  """A layer's relative position bias [1, heads, q, k].
 
   `position_bias` is the stack's bias, or with `relpos_bias_per_layer` the relative
-  positions [batch|1, q, k] that this layer's own table turns into one.
+  positions [1, q, k] that this layer's own table turns into one.
   """
   if not cfg.relpos_bias_per_layer:
     return position_bias
@@ -321,7 +325,12 @@ class Encoder(nn.Module):
     encoder_positions: Array | None = None,
     deterministic: bool = True,
   ) -> Array:
-    """tokens [batch, input_len] -> encoded [batch, input_len, embed]."""
+    """tokens [batch, input_len] -> encoded [batch, input_len, embed].
+
+    `encoder_positions` (packing) are accepted and not needed: see
+    `layers.relative_positions`.
+    """
+    del encoder_positions
     cfg = self.config
     length = encoder_input_tokens.shape[1]
     valid = encoder_input_tokens > 0  # [batch, input_len]
@@ -329,8 +338,8 @@ class Encoder(nn.Module):
       layers.make_attention_mask(valid, valid),
       _segment_mask(encoder_segment_ids, encoder_segment_ids),
     )
-    relative = layers.relative_positions(length, length, encoder_positions, encoder_positions)
-    # [batch|1, heads, q, k] (per-layer tables: the relative positions [batch|1, q, k])
+    relative = layers.relative_positions(length, length)  # [1, q, k]
+    # [1, heads, q, k] (per-layer tables: the relative positions [1, q, k])
     position_bias = _stack_position_bias(cfg, relative, bidirectional=True)
     x = self.shared_embedding(encoder_input_tokens)  # [batch, input_len, embed]
     x = nn.Dropout(rate=cfg.dropout_rate, broadcast_dims=(-2,))(x, deterministic=deterministic)
@@ -371,7 +380,6 @@ class Decoder(nn.Module):
     decoder_target_tokens: Array | None,
     encoder_segment_ids: Array | None,
     decoder_segment_ids: Array | None,
-    decoder_positions: Array | None,
   ) -> tuple[Array, Array, Array]:
     """(self mask bias, relative position bias, cross mask bias) for whole sequences."""
     length = decoder_input_tokens.shape[1]
@@ -391,7 +399,7 @@ class Decoder(nn.Module):
       layers.make_attention_mask(valid, encoder_input_tokens > 0),
       _segment_mask(decoder_segment_ids, encoder_segment_ids),
     )
-    relative = layers.relative_positions(length, length, decoder_positions, decoder_positions)
+    relative = layers.relative_positions(length, length)
     position_bias = _stack_position_bias(self.config, relative, bidirectional=False)
     return layers.mask_to_bias(self_mask), position_bias, layers.mask_to_bias(cross_mask)
 
@@ -428,7 +436,12 @@ class Decoder(nn.Module):
     decode: bool = False,
     max_decode_length: int | None = None,
   ) -> Array:
-    """Returns float32 logits [batch, target_len, vocab] (target_len 1 in a decode step)."""
+    """Returns float32 logits [batch, target_len, vocab] (target_len 1 in a decode step).
+
+    `decoder_positions` (packing) are accepted and not needed: see
+    `layers.relative_positions`.
+    """
+    del decoder_positions
     cfg = self.config
     decode_position = None
     if decode:
@@ -444,7 +457,6 @@ class Decoder(nn.Module):
         decoder_target_tokens,
         encoder_segment_ids,
         decoder_segment_ids,
-        decoder_positions,
       )
     else:
       self_mask_bias = None  # the attention masks keys after decode_position itself

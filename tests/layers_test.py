@@ -37,11 +37,10 @@ def test_relative_position_biases_lookup():
   np.testing.assert_allclose(bias[0, :, 0, 3], table[:, 19])
 
 
-def test_relative_positions_from_packing_positions():
-  positions = jnp.array([[0, 1, 2, 0, 1]])
-  relative = np.asarray(layers.relative_positions(5, 5, positions, positions))
-  assert relative.shape == (1, 5, 5)
-  assert relative[0, 4, 3] == -1 and relative[0, 2, 0] == -2 and relative[0, 3, 2] == 2
+def test_relative_positions_are_index_differences():
+  relative = np.asarray(layers.relative_positions(3, 4))
+  assert relative.shape == (1, 3, 4)
+  assert relative[0, 2, 0] == -2 and relative[0, 0, 3] == 3 and relative[0, 1, 1] == 0
 
 
 def test_rms_norm_matches_numpy():

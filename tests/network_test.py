@@ -299,6 +299,24 @@ def test_bfloat16_activations_return_float32_logits():
   assert 0.0 < relative_error < 0.02
 
 
+def test_bfloat16_attention_logits_stay_close_to_float32_ones():
+  """`attention_logits_dtype='bfloat16'` (flaxformer's default) moves the logits by bf16
+  rounding only; float32 attention logits stay the default."""
+  config = dataclasses.replace(TINY, dtype='bfloat16')
+  assert config.attention_logits_dtype == 'float32'
+  model, params = _init(config)
+  reference = np.asarray(_logits(model, params, enable_dropout=False))
+  bf16_logits = network.Transformer(dataclasses.replace(config, attention_logits_dtype='bfloat16'))
+  logits = np.asarray(_logits(bf16_logits, params, enable_dropout=False))
+  relative_error = np.linalg.norm(logits - reference) / np.linalg.norm(reference)
+  assert 0.0 < relative_error < 0.02
+
+
+def test_unknown_attention_logits_dtype_names_the_field():
+  with pytest.raises(ValueError, match="attention_logits_dtype must be one of .* got 'fp8'"):
+    dataclasses.replace(TINY, attention_logits_dtype='fp8')
+
+
 def test_relpos_bias_per_layer_owns_one_table_per_layer():
   """Per-layer tables all equal to the stack's table give the stack-shared network's logits;
   different tables give other logits (each layer reads its own)."""
