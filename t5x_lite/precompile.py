@@ -57,6 +57,8 @@ class TpuGeneration:
     name: the name users type ('v5e').
     libtpu_name: generation name in libtpu's topology string.
     hbm_gib: HBM per chip, GiB (Cloud TPU system architecture pages).
+    peak_tflops: peak bfloat16 matmul TFLOP/s per chip (same pages).
+    hbm_gbps: HBM bandwidth per chip, GB/s (same pages).
     num_axes: axes of a slice shape (2: 'AxB', 3: 'AxBxC').
     chip_config_name: libtpu chip config; 'megacore' makes one device per chip.
     slices: the slice shapes Cloud TPU offers (listed in errors; libtpu may accept more).
@@ -65,6 +67,8 @@ class TpuGeneration:
   name: str
   libtpu_name: str
   hbm_gib: float
+  peak_tflops: float
+  hbm_gbps: float
   num_axes: int
   chip_config_name: str
   slices: tuple[str, ...]
@@ -78,20 +82,24 @@ GENERATIONS: dict[str, TpuGeneration] = {
       "v4",
       "v4",
       32,
+      275,
+      1200,
       3,
       "megacore",
       ("2x2x1", "2x2x2", "2x2x4", "2x4x4", "4x4x4", "4x4x8", "4x8x8", "8x8x8"),
     ),
-    TpuGeneration("v5e", "v5e", 16, 2, "default", _SLICES_2D),
+    TpuGeneration("v5e", "v5e", 16, 197, 819, 2, "default", _SLICES_2D),
     TpuGeneration(
       "v5p",
       "v5p",
       95,
+      459,
+      2765,
       3,
       "megacore",
       ("2x2x1", "2x2x2", "2x2x4", "2x4x4", "4x4x4", "4x4x8", "4x8x8", "8x8x8"),
     ),
-    TpuGeneration("v6e", "v6e", 32, 2, "default", _SLICES_2D),
+    TpuGeneration("v6e", "v6e", 32, 918, 1640, 2, "default", _SLICES_2D),
   )
 }
 _CHIPS_PER_HOST = (2, 2, 1)  # libtpu's default host bounds; smaller slices get their own shape
@@ -222,29 +230,75 @@ class PrecompileReport:
     topology: slice name, e.g. 'v5e:4x4'.
     chips: chips in the slice.
     mesh: {'data': d, 'model': m}.
-    hbm_bytes: HBM per chip.
+    generation: the slice's TPU generation (HBM, peak FLOP/s, bandwidth).
     memory: per-chip memory; None when the compiler ran out of memory.
     compiler_error: XLA's out-of-memory message, when compilation failed on it.
     xla_flops_per_chip: FLOPs of one step on one chip (`cost_analysis`), if known.
+    xla_bytes_per_chip: HBM bytes one step reads and writes on one chip
+      (`cost_analysis`'s 'bytes accessed'), if known.
     model_flops_per_step: matmul FLOPs of the whole step (`t5x_lite.flops`).
     loops_counted_once: the step loops (scan_layers, microbatches); XLA's cost
-      analysis counts a loop body once, so its FLOPs undercount the step.
+      analysis counts a loop body once, so its FLOPs and bytes undercount the step.
   """
 
   topology: str
   chips: int
   mesh: Mapping[str, int]
-  hbm_bytes: int
+  generation: TpuGeneration
   memory: MemoryUse | None
   compiler_error: str | None
   xla_flops_per_chip: float | None
+  xla_bytes_per_chip: float | None
   model_flops_per_step: float
   loops_counted_once: bool = False
+
+  @property
+  def hbm_bytes(self) -> int:
+    """HBM per chip."""
+    return int(self.generation.hbm_gib * GIB)
 
   @property
   def fits(self) -> bool:
     """Compiled and needs at most the chip's HBM."""
     return self.memory is not None and self.memory.total <= self.hbm_bytes
+
+  @property
+  def roofline_seconds(self) -> float | None:
+    """Lower bound on the step time: the slower of compute and HBM traffic at peak.
+
+    Compute counts the larger of XLA's FLOPs and the model's matmul FLOPs per chip
+    (XLA's miss loop trips); traffic is XLA's bytes accessed, a lower bound when the
+    step loops. Collectives and host input are not modelled.
+    """
+    if self.xla_bytes_per_chip is None:
+      return None
+    flops = max(self.xla_flops_per_chip or 0.0, self.model_flops_per_step / self.chips)
+    compute = flops / (self.generation.peak_tflops * 1e12)
+    memory = self.xla_bytes_per_chip / (self.generation.hbm_gbps * 1e9)
+    return max(compute, memory)
+
+  @property
+  def projected_mfu(self) -> float | None:
+    """Model FLOPs utilisation at the roofline step time."""
+    seconds = self.roofline_seconds
+    if not seconds:
+      return None
+    return self.model_flops_per_step / (self.chips * self.generation.peak_tflops * 1e12 * seconds)
+
+  def basis(self) -> str:
+    """Which memory figure the verdict rests on, and why that one."""
+    hbm = f"{self.hbm_bytes / GIB:.2f} GiB of HBM"
+    if self.memory is None:
+      return f"Verdict: XLA ran out of the chip's {hbm} while compiling."
+    m = self.memory
+    if m.total == m.peak and m.peak > m.arguments + m.outputs - m.aliased + m.temporaries:
+      return f"Verdict by XLA's peak ({m.peak / GIB:.3f} GiB, above the buffer sum) against {hbm}."
+    return (
+      f"Verdict by arguments + outputs - aliased + temporaries ({m.total / GIB:.3f} GiB) "
+      f"against {hbm}: the runtime reserves the temporaries as one block for the whole "
+      f"step, so the sum is what the chip holds; XLA's peak ({m.peak / GIB:.3f} GiB) "
+      "counts the bytes live at once and is lower when that block is fragmented."
+    )
 
   def lines(self) -> list[str]:
     """Human-readable report, one fact per line."""
@@ -264,10 +318,10 @@ class PrecompileReport:
       ]
     if self.compiler_error is not None:
       out.append(f"Compiler: {self.compiler_error}")
+    loops = (
+      " [loop bodies counted once: scan_layers/microbatches]" if self.loops_counted_once else ""
+    )
     if self.xla_flops_per_chip is not None:
-      loops = (
-        " [loop bodies counted once: scan_layers/microbatches]" if self.loops_counted_once else ""
-      )
       out.append(
         f"FLOPs per step: XLA {self.xla_flops_per_chip:.4g} per chip "
         f"({self.xla_flops_per_chip * self.chips:.4g} on the slice){loops}; model "
@@ -275,6 +329,15 @@ class PrecompileReport:
       )
     else:
       out.append(f"FLOPs per step: model matmuls {self.model_flops_per_step:.4g}")
+    seconds = self.roofline_seconds
+    if seconds is not None:
+      gen = self.generation
+      out.append(
+        f"Roofline: {self.xla_bytes_per_chip / 1e9:.4g} GB accessed per chip{loops}; at "
+        f"{gen.peak_tflops:g} TFLOP/s and {gen.hbm_gbps:g} GB/s per {gen.name} chip a step "
+        f"takes at least {1e3 * seconds:.3g} ms, MFU at most {100 * self.projected_mfu:.3g}%"
+      )
+    out.append(self.basis())
     out.append("FITS" if self.fits else "DOES NOT FIT")
     return out
 
@@ -331,13 +394,13 @@ def lower_train_step(
   return step.lower(state, batch, rng)
 
 
-def _xla_flops(compiled: jax.stages.Compiled) -> float | None:
-  """FLOPs of one execution on one chip, from XLA's cost analysis."""
+def _xla_costs(compiled: jax.stages.Compiled) -> tuple[float | None, float | None]:
+  """(FLOPs, bytes accessed) of one execution on one chip, from XLA's cost analysis."""
   costs = compiled.cost_analysis()
   if isinstance(costs, (list, tuple)):
     costs = costs[0] if costs else {}
-  value = (costs or {}).get("flops")
-  return float(value) if value is not None and value >= 0 else None
+  values = [(costs or {}).get(key) for key in ("flops", "bytes accessed")]
+  return tuple(float(v) if v is not None and v >= 0 else None for v in values)
 
 
 def precompile_train_step(
@@ -380,7 +443,7 @@ def precompile_train_step(
   lowered = lower_train_step(
     model, optimizer, data.model_input_shapes(dataset_cfg), partitioner, num_microbatches
   )
-  memory, error, xla_flops = None, None, None
+  memory, error, xla_flops, xla_bytes = None, None, None, None
   try:
     compiled = lowered.compile()
   except jax.errors.JaxRuntimeError as e:
@@ -388,15 +451,17 @@ def precompile_train_step(
       raise
     error = str(e).strip().splitlines()[0]
   else:
-    memory, xla_flops = MemoryUse.from_compiled(compiled), _xla_flops(compiled)
+    memory = MemoryUse.from_compiled(compiled)
+    xla_flops, xla_bytes = _xla_costs(compiled)
   return PrecompileReport(
     topology=topology,
     chips=len(devices),
     mesh=dict(partitioner.mesh.shape),
-    hbm_bytes=int(gen.hbm_gib * GIB),
+    generation=gen,
     memory=memory,
     compiler_error=error,
     xla_flops_per_chip=xla_flops,
+    xla_bytes_per_chip=xla_bytes,
     model_flops_per_step=model_flops,
     loops_counted_once=model.module.config.scan_layers or num_microbatches > 1,
   )
