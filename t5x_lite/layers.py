@@ -8,6 +8,7 @@ No layer has a bias term. Attention logits carry no 1/sqrt(head_dim) factor: it 
 folded into the query kernel's initialiser, as in T5 and T5X.
 """
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -135,17 +136,27 @@ class RMSNorm(nn.Module):
   @nn.compact
   def __call__(self, x: Array) -> Array:
     """Normalises the last axis of x [..., embed]."""
-    features = x.shape[-1]
-    x = jnp.asarray(x, jnp.float32)
-    mean_square = jnp.mean(jnp.square(x), axis=-1, keepdims=True)  # [..., 1]
-    y = x * jax.lax.rsqrt(mean_square + self.epsilon)
     scale = self.param(
       'scale',
       nn.with_logical_partitioning(nn.initializers.ones, ('embed',)),
-      (features,),
+      (x.shape[-1],),
       self.param_dtype,
     )
-    return (y * jnp.asarray(scale, jnp.float32)).astype(self.dtype)
+    return _rms_norm(x, scale, self.epsilon, self.dtype)
+
+
+@functools.partial(jax.checkpoint, static_argnums=(2, 3))
+def _rms_norm(x: Array, scale: Array, epsilon: float, dtype: Dtype) -> Array:
+  """x [..., embed] -> normalised, in float32 inside.
+
+  Rematerialised: the backward pass keeps x in its own dtype and recomputes the
+  float32 intermediates, instead of keeping [..., embed] float32 copies (under
+  `scan_layers` autodiff would stack them for every layer).
+  """
+  x32 = jnp.asarray(x, jnp.float32)
+  mean_square = jnp.mean(jnp.square(x32), axis=-1, keepdims=True)  # [..., 1]
+  y = x32 * jax.lax.rsqrt(mean_square + epsilon)
+  return (y * jnp.asarray(scale, jnp.float32)).astype(dtype)
 
 
 _ACTIVATIONS: dict[str, Callable[[Array], Array]] = {
@@ -153,6 +164,21 @@ _ACTIVATIONS: dict[str, Callable[[Array], Array]] = {
   'gelu': lambda x: nn.gelu(x, approximate=True),
   'linear': lambda x: x,
 }
+
+
+@functools.partial(jax.checkpoint, static_argnums=(0,))
+def _gated_activations(activations: tuple[str, ...], *projected: Array) -> Array:
+  """prod_i act_i(projected_i), each [batch, length, mlp].
+
+  Rematerialised: the backward pass keeps only the projections and recomputes the
+  activation's intermediates (GELU's tanh and powers), which under `scan_layers`
+  autodiff would otherwise stack for every layer.
+  """
+  hidden = None
+  for name, h in zip(activations, projected):
+    h = _ACTIVATIONS[name](h)
+    hidden = h if hidden is None else hidden * h
+  return hidden
 
 
 class MlpBlock(nn.Module):
@@ -179,8 +205,8 @@ class MlpBlock(nn.Module):
   def __call__(self, inputs: Array, deterministic: bool = True) -> Array:
     """Maps inputs [batch, length, embed] -> [batch, length, embed]."""
     emb_dim = inputs.shape[-1]
-    hidden = None
-    for idx, name in enumerate(self.activations):
+    projected = []
+    for idx in range(len(self.activations)):
       proj_name = 'wi' if len(self.activations) == 1 else f'wi_{idx}'
       # [batch, length, embed] -> [batch, length, mlp]
       h = Projection(
@@ -191,8 +217,8 @@ class MlpBlock(nn.Module):
         param_dtype=self.param_dtype,
         name=proj_name,
       )(inputs)
-      h = _ACTIVATIONS[name](h)
-      hidden = h if hidden is None else hidden * h
+      projected.append(h)
+    hidden = _gated_activations(tuple(self.activations), *projected)  # [batch, length, mlp]
     hidden = nn.Dropout(rate=self.dropout_rate, broadcast_dims=(-2,))(
       hidden, deterministic=deterministic
     )
