@@ -267,10 +267,11 @@ class PrecompileReport:
     """Lower bound on the step time: the slower of compute and HBM traffic at peak.
 
     Compute counts the larger of XLA's FLOPs and the model's matmul FLOPs per chip
-    (XLA's miss loop trips); traffic is XLA's bytes accessed, a lower bound when the
-    step loops. Collectives and host input are not modelled.
+    (XLA's miss loop trips); traffic is XLA's bytes accessed. None when the step
+    loops: XLA counts a loop body's bytes once, so there is no traffic figure to
+    bound by. Collectives and host input are not modelled.
     """
-    if self.xla_bytes_per_chip is None:
+    if self.xla_bytes_per_chip is None or self.loops_counted_once:
       return None
     flops = max(self.xla_flops_per_chip or 0.0, self.model_flops_per_step / self.chips)
     compute = flops / (self.generation.peak_tflops * 1e12)
@@ -329,11 +330,13 @@ class PrecompileReport:
       )
     else:
       out.append(f"FLOPs per step: model matmuls {self.model_flops_per_step:.4g}")
+    if self.loops_counted_once:
+      out.append("Roofline: not projected; XLA counts a loop body's bytes once")
     seconds = self.roofline_seconds
     if seconds is not None:
       gen = self.generation
       out.append(
-        f"Roofline: {self.xla_bytes_per_chip / 1e9:.4g} GB accessed per chip{loops}; at "
+        f"Roofline: {self.xla_bytes_per_chip / 1e9:.4g} GB accessed per chip; at "
         f"{gen.peak_tflops:g} TFLOP/s and {gen.hbm_gbps:g} GB/s per {gen.name} chip a step "
         f"takes at least {1e3 * seconds:.3g} ms, MFU at most {100 * self.projected_mfu:.3g}%"
       )

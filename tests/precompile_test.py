@@ -73,6 +73,38 @@ def test_mesh_that_does_not_divide_chips_names_both_numbers():
   assert ("embed", "data") in partitioner.rules
 
 
+def _report(memory, loops=False, xla_bytes=1.638e12):
+  return precompile.PrecompileReport(
+    topology="v5e:2x2",
+    chips=4,
+    mesh={"data": 4, "model": 1},
+    generation=precompile.GENERATIONS["v5e"],
+    memory=memory,
+    compiler_error=None,
+    xla_flops_per_chip=1.97e14,
+    xla_bytes_per_chip=xla_bytes,
+    model_flops_per_step=4 * 1.5e14,
+    loops_counted_once=loops,
+  )
+
+
+def test_report_roofline_and_verdict_basis():
+  gib = precompile.GIB
+  report = _report(precompile.MemoryUse(gib, gib, gib, 14 * gib, 13 * gib))
+  # 1.97e14 FLOPs at 197 TFLOP/s: 1 s; 1.638e12 bytes at 819 GB/s: 2 s (memory-bound).
+  assert report.roofline_seconds == pytest.approx(2.0)
+  assert report.projected_mfu == pytest.approx(1.5e14 / (197e12 * 2.0))
+  lines = report.lines()
+  assert "a step takes at least 2e+03 ms, MFU at most 38.1%" in lines[-3]
+  assert lines[-2].startswith("Verdict by arguments + outputs - aliased + temporaries (15.000 GiB)")
+  assert lines[-1] == "FITS"
+  over = _report(precompile.MemoryUse(gib, gib, gib, 15.5 * gib, 12 * gib))
+  assert over.lines()[-1] == "DOES NOT FIT" and "(16.500 GiB)" in over.lines()[-2]
+  looped = _report(precompile.MemoryUse(gib, gib, gib, 2 * gib, gib), loops=True)
+  assert looped.roofline_seconds is None
+  assert "Roofline: not projected" in "\n".join(looped.lines())
+
+
 def test_missing_libtpu_says_how_to_install(monkeypatch):
   real_find_spec = importlib.util.find_spec
   monkeypatch.setattr(
