@@ -48,6 +48,10 @@ SKIPPED = (
     "tests/precompile_test.py compiles the same path for a tiny model",
   ),
   ("tools/benchmark.py", "times T5 1.1 small for minutes; tests/benchmark_test.py runs it tiny"),
+  (
+    "tools/t5x_peer_precompile.py",
+    "compiles T5X's T5 1.1 base for a TPU slice in T5X's own virtualenv (minutes)",
+  ),
   ("pip install", "the package and its extras are installed already"),
   ("Run on a TPU pod or GPU cluster", "needs a TPU slice or a GPU cluster"),
 )
