@@ -296,9 +296,9 @@ class PrecompileReport:
       return f"Verdict by XLA's peak ({m.peak / GIB:.3f} GiB, above the buffer sum) against {hbm}."
     return (
       f"Verdict by arguments + outputs - aliased + temporaries ({m.total / GIB:.3f} GiB) "
-      f"against {hbm}: the runtime reserves the temporaries as one block for the whole "
-      f"step, so the sum is what the chip holds; XLA's peak ({m.peak / GIB:.3f} GiB) "
-      "counts the bytes live at once and is lower when that block is fragmented."
+      f"against {hbm}: the temporaries are what the program asks the runtime to allocate "
+      f"for the step, so the sum is what the chip holds; XLA's peak ({m.peak / GIB:.3f} "
+      "GiB) counts the bytes live at once, lower when that memory is fragmented."
     )
 
   def lines(self) -> list[str]:
