@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from t5x_lite import layers
+from t5x_lite.errors import ConfigError
 
 Array = jax.Array
 
@@ -89,14 +90,20 @@ class T5Config:
     object.__setattr__(self, 'mlp_activations', tuple(self.mlp_activations))
     for name in ('dtype', 'param_dtype', 'attention_logits_dtype'):
       if getattr(self, name) not in _DTYPES:
-        raise ValueError(f'{name} must be one of {sorted(_DTYPES)}, got {getattr(self, name)!r}')
+        raise ConfigError(
+          f'T5Config.{name} must be one of {sorted(_DTYPES)}, got {getattr(self, name)!r}'
+        )
     if self.remat_policy not in _REMAT_POLICIES:
-      raise ValueError(f'remat_policy must be one of {_REMAT_POLICIES}, got {self.remat_policy!r}')
+      raise ConfigError(
+        f'T5Config.remat_policy must be one of {_REMAT_POLICIES}, got {self.remat_policy!r}'
+      )
     if self.adapter_dim < 0:
-      raise ValueError(f'adapter_dim must be >= 0 (0: no adapters), got {self.adapter_dim}')
+      raise ConfigError(
+        f'T5Config.adapter_dim must be >= 0 (0: no adapters), got {self.adapter_dim}'
+      )
     if self.relative_attention_max_distance <= self.relative_attention_num_buckets // 2:
-      raise ValueError(
-        'relative_attention_max_distance must exceed half the buckets '
+      raise ConfigError(
+        'T5Config.relative_attention_max_distance must exceed half the buckets '
         '(the exact range of the causal bucketing)'
       )
 

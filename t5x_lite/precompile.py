@@ -35,7 +35,16 @@ import gin
 import jax
 import jax.numpy as jnp
 
-from t5x_lite import data, flops, models, optimizers, partitioning, train_lib, trainer
+from t5x_lite import (
+  data,
+  flops,
+  models,
+  optimizers,
+  partitioning,
+  throughput,
+  train_lib,
+  trainer,
+)
 from t5x_lite.errors import UserError
 
 INSTALL_HINT = "pip install -e '.[tpu]'"
@@ -57,7 +66,6 @@ class TpuGeneration:
     name: the name users type ('v5e').
     libtpu_name: generation name in libtpu's topology string.
     hbm_gib: HBM per chip, GiB (Cloud TPU system architecture pages).
-    peak_tflops: peak bfloat16 matmul TFLOP/s per chip (same pages).
     hbm_gbps: HBM bandwidth per chip, GB/s (same pages).
     num_axes: axes of a slice shape (2: 'AxB', 3: 'AxBxC').
     chip_config_name: libtpu chip config; 'megacore' makes one device per chip.
@@ -67,11 +75,15 @@ class TpuGeneration:
   name: str
   libtpu_name: str
   hbm_gib: float
-  peak_tflops: float
   hbm_gbps: float
   num_axes: int
   chip_config_name: str
   slices: tuple[str, ...]
+
+  @property
+  def peak_flops(self) -> float:
+    """Peak bfloat16 matmul FLOP/s per chip (`throughput.PEAK_BF16_FLOPS`)."""
+    return throughput.table_peak_flops(f"TPU {self.name}")
 
 
 _SLICES_2D = ("1x1", "2x2", "2x4", "4x4", "4x8", "8x8", "8x16", "16x16")
@@ -82,24 +94,22 @@ GENERATIONS: dict[str, TpuGeneration] = {
       "v4",
       "v4",
       32,
-      275,
       1200,
       3,
       "megacore",
       ("2x2x1", "2x2x2", "2x2x4", "2x4x4", "4x4x4", "4x4x8", "4x8x8", "8x8x8"),
     ),
-    TpuGeneration("v5e", "v5e", 16, 197, 819, 2, "default", _SLICES_2D),
+    TpuGeneration("v5e", "v5e", 16, 819, 2, "default", _SLICES_2D),
     TpuGeneration(
       "v5p",
       "v5p",
       95,
-      459,
       2765,
       3,
       "megacore",
       ("2x2x1", "2x2x2", "2x2x4", "2x4x4", "4x4x4", "4x4x8", "4x8x8", "8x8x8"),
     ),
-    TpuGeneration("v6e", "v6e", 32, 918, 1640, 2, "default", _SLICES_2D),
+    TpuGeneration("v6e", "v6e", 32, 1640, 2, "default", _SLICES_2D),
   )
 }
 _CHIPS_PER_HOST = (2, 2, 1)  # libtpu's default host bounds; smaller slices get their own shape
@@ -274,7 +284,7 @@ class PrecompileReport:
     if self.xla_bytes_per_chip is None or self.loops_counted_once:
       return None
     flops = max(self.xla_flops_per_chip or 0.0, self.model_flops_per_step / self.chips)
-    compute = flops / (self.generation.peak_tflops * 1e12)
+    compute = flops / self.generation.peak_flops
     memory = self.xla_bytes_per_chip / (self.generation.hbm_gbps * 1e9)
     return max(compute, memory)
 
@@ -284,7 +294,7 @@ class PrecompileReport:
     seconds = self.roofline_seconds
     if not seconds:
       return None
-    return self.model_flops_per_step / (self.chips * self.generation.peak_tflops * 1e12 * seconds)
+    return self.model_flops_per_step / (self.chips * self.generation.peak_flops * seconds)
 
   def basis(self) -> str:
     """Which memory figure the verdict rests on, and why that one."""
@@ -337,7 +347,7 @@ class PrecompileReport:
       gen = self.generation
       out.append(
         f"Roofline: {self.xla_bytes_per_chip / 1e9:.4g} GB accessed per chip; at "
-        f"{gen.peak_tflops:g} TFLOP/s and {gen.hbm_gbps:g} GB/s per {gen.name} chip a step "
+        f"{gen.peak_flops / 1e12:g} TFLOP/s and {gen.hbm_gbps:g} GB/s per {gen.name} chip a step "
         f"takes at least {1e3 * seconds:.3g} ms, MFU at most {100 * self.projected_mfu:.3g}%"
       )
     out.append(self.basis())

@@ -105,6 +105,10 @@ def test_gin_entry_point_sets_up_then_runs():
     ),
     (["--gin_file=no_such.gin"], "ERROR: gin file not found: no_such.gin"),
     (
+      ["--gin_file=quickstart.gin", "--gin.T5Config.attention_logits_dtype='fp8'"],
+      "ERROR: T5Config.attention_logits_dtype must be one of",
+    ),
+    (
       ["--gin_file=quickstart.gin", "--module_import=cli_test_no_such_module"],
       "ERROR: --module_import=cli_test_no_such_module: no module",
     ),

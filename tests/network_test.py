@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from t5x_lite import network
+from t5x_lite.errors import ConfigError
 from tiny_models import tiny_config
 
 TINY = tiny_config()
@@ -313,7 +314,9 @@ def test_bfloat16_attention_logits_stay_close_to_float32_ones():
 
 
 def test_unknown_attention_logits_dtype_names_the_field():
-  with pytest.raises(ValueError, match="attention_logits_dtype must be one of .* got 'fp8'"):
+  with pytest.raises(
+    ConfigError, match="T5Config.attention_logits_dtype must be one of .* got 'fp8'"
+  ):
     dataclasses.replace(TINY, attention_logits_dtype='fp8')
 
 

@@ -44,10 +44,9 @@ def main() -> None:
     analysis = compiled.cost_analysis()
     if isinstance(analysis, (list, tuple)):
       analysis = analysis[0] if analysis else {}
-    costs.update(
-      xla_flops_per_chip=float(analysis.get("flops", -1)),
-      xla_bytes_per_chip=float(analysis.get("bytes accessed", -1)),
-    )
+    for name, key in (("xla_flops_per_chip", "flops"), ("xla_bytes_per_chip", "bytes accessed")):
+      value = (analysis or {}).get(key)
+      costs[name] = float(value) if value is not None and value >= 0 else None
     return memory_analysis(compiled)
 
   jax.stages.Compiled.memory_analysis = memory_analysis_and_costs
