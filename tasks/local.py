@@ -10,13 +10,16 @@ to the working directory. See "Register a new task" in README.md to register you
   local_scitldr_a        scitldr_a/*.jsonl                 abstract -> TLDR, ROUGE
   local_tinyshakespeare_span_corruption   tinyshakespeare/input.txt (train only)
   local_wikitext2_span_corruption         wikitext2/{valid,test}.txt (validation/test only)
+  local_unlabeled_span_corruption         t5x_lite.unlabeled_text (the input side of the
+                                          files above, CPython's docs), span-corrupted: the
+                                          transfer recipe's pre-training task
 """
 
 import functools
 
 import seqio
 
-from t5x_lite import file_sources, preprocessors, task_metrics
+from t5x_lite import file_sources, objectives, preprocessors, task_metrics, unlabeled_text
 from tasks import glue, wmt
 
 _SST2_LABELS = {"0": "negative", "1": "positive"}
@@ -93,7 +96,16 @@ for _name, _splits in (
   seqio.TaskRegistry.add(
     f"local_{_name}_span_corruption",
     source=file_sources.TextLinesSource(_splits),
-    preprocessors=preprocessors.unsupervised_preprocessors("span_corruption"),
+    preprocessors=objectives.unsupervised_preprocessors("span_corruption"),
     output_features=preprocessors.text_to_text_features(),
     metric_fns=[],
   )
+
+# Its raw text trains the recipe's vocabulary (tools/train_vocab.py --text_field=text).
+seqio.TaskRegistry.add(
+  "local_unlabeled_span_corruption",
+  source=unlabeled_text.UnlabeledTextSource(),
+  preprocessors=objectives.unsupervised_preprocessors("span_corruption"),
+  output_features=preprocessors.text_to_text_features(),
+  metric_fns=[],
+)

@@ -13,7 +13,7 @@ import functools
 
 import seqio
 
-from t5x_lite import file_sources, mixing, preprocessors, task_metrics, cpython_corpus
+from t5x_lite import cpython_corpus, file_sources, mixing, objectives, preprocessors, task_metrics
 
 QUICKSTART_FEATURE_LENGTHS = {"inputs": 128, "targets": 32}
 
@@ -30,7 +30,7 @@ def _code_docstring_pairs(split: str) -> dict[str, list[str]]:
 seqio.TaskRegistry.add(
   "cpython_span_corruption",
   source=file_sources.InMemorySource(_prose, splits=cpython_corpus.SPLITS),
-  preprocessors=preprocessors.unsupervised_preprocessors("span_corruption"),
+  preprocessors=objectives.unsupervised_preprocessors("span_corruption"),
   output_features=preprocessors.text_to_text_features(),
   metric_fns=[],
 )

@@ -15,7 +15,7 @@ import seqio  # noqa: E402
 import tensorflow_datasets as tfds  # noqa: E402
 
 import tasks  # noqa: E402,F401
-from t5x_lite import file_sources, task_metrics, cpython_corpus  # noqa: E402
+from t5x_lite import cpython_corpus, file_sources, objectives, task_metrics  # noqa: E402
 
 LENGTHS = {"inputs": 64, "targets": 16}
 TFDS_TASKS = sorted(n for n in seqio.TaskRegistry.names() if n.startswith(("c4_", "glue_", "wmt")))
@@ -86,12 +86,13 @@ def _packed_batch(task: seqio.Task, split: str, lengths=LENGTHS, **kwargs) -> di
 
 def test_expected_registrations():
   assert TFDS_TASKS == sorted(
-    ["c4_v220_iid_denoising", "c4_v220_prefix_lm", "c4_v220_span_corruption", "wmt16_ende"]
+    [f"c4_v220_{objective}" for objective in objectives.UNSUPERVISED_OBJECTIVES]
+    + ["wmt16_ende"]
     + [f"glue_{n}_v2" for n in "cola sst2 mrpc qqp stsb mnli qnli rte wnli".split()]
   )
   assert {"quickstart", "glue_v2"} <= set(seqio.MixtureRegistry.names())
   assert len(seqio.MixtureRegistry.get("glue_v2").tasks) == 9
-  assert len(LOCAL_TASKS) == 6
+  assert len(LOCAL_TASKS) == 7
 
 
 @pytest.mark.parametrize("name", TFDS_TASKS)
