@@ -53,6 +53,11 @@ SKIPPED = (
     "compiles T5X's T5 1.1 base for a TPU slice in T5X's own virtualenv (minutes)",
   ),
   ("pip install", "the package and its extras are installed already"),
+  (
+    "Pre-training transfers",
+    "reads the real ../shared/data text (an 8000-piece vocabulary, an hour of training); "
+    "tests/transfer_recipe_test.py runs the same commands on tiny files with a tiny model",
+  ),
   ("Run on a TPU pod or GPU cluster", "needs a TPU slice or a GPU cluster"),
 )
 _COMMAND_WORDS = ("python", "printf", "pip")
