@@ -3,7 +3,8 @@
 Inputs are "<task> <field>: <text> ..." with fields in T5's (sorted) order,
 targets the class name (STS-B: the score rounded to 0.2, e.g. "3.8").
 Predictions are postprocessed to class ids (-1 if not a class name) or floats.
-glue_v2 mixes the nine tasks with `t5x_lite.mixing.temperature_rate`.
+glue_v2 mixes the nine tasks with `t5x_lite.mixing.rate_for('glue_v2')`
+(gin `glue_v2/mixing_rate.*`).
 """
 
 import functools
@@ -70,5 +71,5 @@ for _name, (_fields, _labels, _metrics) in _GLUE.items():
   )
 
 seqio.MixtureRegistry.add(
-  "glue_v2", [f"glue_{name}_v2" for name in _GLUE], default_rate=mixing.temperature_rate
+  "glue_v2", [f"glue_{name}_v2" for name in _GLUE], default_rate=mixing.rate_for("glue_v2")
 )

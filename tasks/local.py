@@ -13,13 +13,20 @@ to the working directory. See "Register a new task" in README.md to register you
   local_unlabeled_span_corruption         t5x_lite.unlabeled_text (the input side of the
                                           files above, CPython's docs), span-corrupted: the
                                           transfer recipe's pre-training task
+  local_multitask        the four fine-tuning tasks above (SST-2, RTE, Multi30k, SciTLDR)
+  local_multitask_without_<glue_sst2|glue_rte|multi30k_ende|scitldr_a>
+                         leave-one-out: local_multitask minus that task
+
+The multi-task mixtures share one gin scope, `local_multitask/mixing_rate.*`
+(t5x_lite.mixing), so a leave-one-out mixture always mixes like the full one. Each
+task's source counts its records, so all three strategies work for them.
 """
 
 import functools
 
 import seqio
 
-from t5x_lite import file_sources, objectives, preprocessors, task_metrics, unlabeled_text
+from t5x_lite import file_sources, mixing, objectives, preprocessors, task_metrics, unlabeled_text
 from tasks import glue, wmt
 
 _SST2_LABELS = {"0": "negative", "1": "positive"}
@@ -88,6 +95,17 @@ seqio.TaskRegistry.add(
   output_features=preprocessors.text_to_text_features(),
   metric_fns=[task_metrics.rouge],
 )
+
+MULTITASK = ("local_glue_sst2", "local_glue_rte", "local_multi30k_ende", "local_scitldr_a")
+seqio.MixtureRegistry.add(
+  "local_multitask", list(MULTITASK), default_rate=mixing.rate_for("local_multitask")
+)
+for _left_out in MULTITASK:
+  seqio.MixtureRegistry.add(
+    f"local_multitask_without_{_left_out.removeprefix('local_')}",
+    [name for name in MULTITASK if name != _left_out],
+    default_rate=mixing.rate_for("local_multitask"),
+  )
 
 for _name, _splits in (
   ("tinyshakespeare", {"train": "tinyshakespeare/input.txt"}),

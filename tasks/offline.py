@@ -2,7 +2,8 @@
 
   cpython_span_corruption    span corruption over pydoc topics and stdlib docstrings
   cpython_code_to_docstring  "summarize python: <function source>" -> first docstring line, ROUGE
-  quickstart                 both, mixed with t5x_lite.mixing.temperature_rate
+  quickstart                 both, mixed by t5x_lite.mixing.rate_for('quickstart')
+                             (gin quickstart/mixing_rate.*)
 
 Both have deterministic, disjoint 'train' and 'validation' splits
 (t5x_lite.cpython_corpus). Quickstart feature lengths: inputs 128, targets 32
@@ -53,5 +54,5 @@ seqio.TaskRegistry.add(
 seqio.MixtureRegistry.add(
   "quickstart",
   ["cpython_span_corruption", "cpython_code_to_docstring"],
-  default_rate=mixing.temperature_rate,
+  default_rate=mixing.rate_for("quickstart"),
 )
