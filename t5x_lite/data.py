@@ -55,7 +55,7 @@ import tensorflow as tf
 from absl import logging
 from jax.sharding import Sharding
 
-from t5x_lite import preprocessors
+from t5x_lite import network, preprocessors
 from t5x_lite.errors import ConfigError
 
 CHECKPOINT_MODES = ("iterator", "skip")
@@ -125,6 +125,9 @@ class DatasetConfig:
     seed: seqio seed for shuffling, mixture sampling and preprocessors.
     pack: pack several examples per row (EncDecFeatureConverter(pack=True)).
     use_cached: read the seqio cache instead of preprocessing online.
+    architecture: the model's `T5Config.architecture`, which picks the feature
+      converter (`feature_converter`); train, eval and precompile set it from the
+      model, so gin never needs to.
   """
 
   mixture_or_task_name: str
@@ -135,15 +138,39 @@ class DatasetConfig:
   seed: int | None = 0
   pack: bool = True
   use_cached: bool = False
+  architecture: str = "encoder_decoder"
 
   def __post_init__(self) -> None:
     """Fails early, naming the closest registered names, for an unknown task."""
+    if self.architecture not in network.ARCHITECTURES:
+      raise ConfigError(
+        f"DatasetConfig.architecture must be one of {network.ARCHITECTURES}, "
+        f"got {self.architecture!r}"
+      )
     get_mixture_or_task(self.mixture_or_task_name)
 
 
-def feature_converter(config: DatasetConfig) -> seqio.FeatureConverter:
-  """The encoder-decoder feature converter for `config`."""
-  return seqio.EncDecFeatureConverter(pack=config.pack)
+def feature_converter(config: DatasetConfig, pack: bool | None = None) -> seqio.FeatureConverter:
+  """The seqio feature converter of `config.architecture`.
+
+  Encoder-decoder: `EncDecFeatureConverter`. Decoder-only and prefix LM:
+  `DecoderFeatureConverter`, which concatenates inputs and targets (loss on the
+  targets only) or, for a task with targets alone, makes plain language-model
+  features.
+
+  Args:
+    config: the dataset config.
+    pack: overrides `config.pack`.
+  """
+  pack = config.pack if pack is None else pack
+  if config.architecture == "encoder_decoder":
+    return seqio.EncDecFeatureConverter(pack=pack)
+  return seqio.DecoderFeatureConverter(pack=pack)
+
+
+def for_model(config: DatasetConfig, model_config: network.T5Config) -> DatasetConfig:
+  """`config` with the architecture of `model_config`."""
+  return dataclasses.replace(config, architecture=model_config.architecture)
 
 
 def model_feature_lengths(config: DatasetConfig) -> dict[str, int]:

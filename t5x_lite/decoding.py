@@ -9,7 +9,8 @@ Conventions shared by `temperature_sample` and `beam_search`:
   * `tokens_to_logits(ids [batch, 1] int32, cache) -> (logits [batch, vocab], cache)`.
   * `decoder_prompt` is [batch, length]; position 0 is the BOS token (0) fed first.
     A non-zero `decoder_prompt[:, i + 1]` forces output token i (a prompt prefix);
-    forced tokens add nothing to the scores. An all-zero prompt decodes freely.
+    forced tokens add nothing to the scores, and a forced EOS (a decoder-only model's
+    prompt may hold one) does not end the sequence. An all-zero prompt decodes freely.
   * The cache comes ALREADY expanded to `batch * num_decodes` rows (each batch row
     repeated consecutively, see `expand_to_beams`). Every cache leaf has that batch
     axis leading, except 0-d leaves (`cache_index`), which are passed through.
@@ -321,7 +322,7 @@ def temperature_sample(
     return _SampleState(
       step=state.step + 1,
       sequences=sequences,
-      finished=state.finished | (tokens == eos_id),
+      finished=state.finished | ((tokens == eos_id) & (forced == 0)),
       scores=state.scores + log_probs,
       cache=cache,
     )
@@ -488,7 +489,9 @@ def _beam_step(
   top_seqs = lax.dynamic_update_slice_in_dim(
     top_seqs, top_tokens[:, :, None], state.step + 1, axis=2
   )  # [batch, 2 * beams, length + 1]
-  is_eos = top_tokens == eos_id  # [batch, 2 * beams]
+  forced = lax.dynamic_index_in_dim(prompt, state.step + 1, axis=1)  # [batch, 1]
+  # [batch, 2 * beams]: a forced EOS is part of the prompt, not an end
+  is_eos = (top_tokens == eos_id) & (forced == 0)
   # A candidate built on a dead beam or a masked token is not a real sequence.
   real = top_logprobs > NEG_INF / 2  # [batch, 2 * beams]
   # At the last step every candidate ends (truncated at max_decode_len).

@@ -137,6 +137,7 @@ def _build_evaluator(
   partitioner = partitioning.Partitioner()
   abstract, shardings = partitioner.abstract_params(model.init_params)
   runner = model_runner.ModelRunner(model, partitioner, shardings, decode, dataset_cfg.batch_size)
+  dataset_cfg = data.for_model(dataset_cfg, model.module.config)
   loggers = (seqio.TensorBoardLogger, PredictionsJsonlLogger) if jax.process_index() == 0 else ()
   evaluator = TaskEvaluator(
     runner, dataset_cfg, num_examples=num_examples, log_dir=output_dir, logger_cls=loggers
@@ -344,6 +345,7 @@ def training_evaluator(
       "train.infer_eval_period needs train.eval_dataset_cfg or training_evaluator.dataset_cfg."
     )
   cfg = dataset_cfg or dataclasses.replace(eval_dataset_cfg, shuffle=False, pack=False)
+  cfg = data.for_model(cfg, model.module.config)
   runner = model_runner.ModelRunner(
     model, partitioner, param_shardings, decode or model_runner.DecodeConfig(), cfg.batch_size
   )

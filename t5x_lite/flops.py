@@ -16,6 +16,9 @@ forward pass costs:
   decoder       = num_decoder_layers * (attn(T, T) + attn(T, I) + mlp(T))
   logits        = 2 T E V
 
+A decoder-only model or prefix LM (`T5Config.architecture`) has no encoder and no
+cross-attention: its T is the inputs and targets concatenated, and I = 0.
+
 Causal self-attention is counted in full (T x T), as it is computed. A training
 step (forward + backward) costs 3x the forward pass; flops_per_token divides that
 by the I + T tokens of the example.
@@ -42,7 +45,7 @@ def forward_flops(config: T5Config, input_length: int, target_length: int) -> fl
 
   Args:
     config: the network config.
-    input_length: encoder sequence length I.
+    input_length: encoder sequence length I (0 for a decoder-only model).
     target_length: decoder sequence length T.
 
   Returns:
@@ -51,9 +54,12 @@ def forward_flops(config: T5Config, input_length: int, target_length: int) -> fl
   encoder_layer = _attention_flops(config, input_length, input_length) + _mlp_flops(
     config, input_length
   )
+  cross_attention = 0.0
+  if config.architecture == 'encoder_decoder':
+    cross_attention = _attention_flops(config, target_length, input_length)
   decoder_layer = (
     _attention_flops(config, target_length, target_length)
-    + _attention_flops(config, target_length, input_length)
+    + cross_attention
     + _mlp_flops(config, target_length)
   )
   logits = 2.0 * target_length * config.emb_dim * config.vocab_size
@@ -74,3 +80,14 @@ def flops_per_token(config: T5Config, input_length: int, target_length: int) -> 
     3 * forward_flops / (I + T).
   """
   return 3.0 * forward_flops(config, input_length, target_length) / (input_length + target_length)
+
+
+def network_lengths(config: T5Config, input_length: int, target_length: int) -> tuple[int, int]:
+  """(I, T) of `forward_flops` for a task's inputs and targets lengths.
+
+  Encoder-decoder: unchanged. Decoder-only and prefix LM: (0, inputs + targets),
+  the one concatenated sequence.
+  """
+  if config.architecture == 'encoder_decoder':
+    return input_length, target_length
+  return 0, input_length + target_length

@@ -163,28 +163,43 @@ def task_examples(name: str, split: str, lengths: Mapping[str, int]) -> list[Exa
   ]
 
 
-def make_batch(examples: Sequence[Example], lengths: Mapping[str, int]) -> dict[str, np.ndarray]:
-  """EncDecFeatureConverter's unpacked features of `examples`, zero-padded to `lengths`.
+def make_batch(
+  examples: Sequence[Example], lengths: Mapping[str, int], architecture: str = "encoder_decoder"
+) -> dict[str, np.ndarray]:
+  """Unpacked model features of `examples`, zero-padded to `lengths`.
 
-  Examples without targets get empty targets (decoding only needs the length).
+  Encoder-decoder: EncDecFeatureConverter's features. Decoder-only and prefix LM:
+  PrefixLMFeatureConverter's, inputs and targets concatenated in one row of
+  inputs + targets tokens, `decoder_causal_attention` over the inputs and the BOS, loss
+  on the targets. Examples without targets get empty targets (decoding only needs
+  the length).
   """
   rows, inputs_len, targets_len = len(examples), lengths["inputs"], lengths["targets"]
+  decoder_only = architecture != "encoder_decoder"
   encoder = np.zeros((rows, inputs_len), np.int32)  # [rows, inputs_len]
-  targets = np.zeros((rows, targets_len), np.int32)  # [rows, targets_len]
+  width = inputs_len + targets_len if decoder_only else targets_len
+  targets = np.zeros((rows, width), np.int32)  # [rows, width]
+  loss_weights = np.zeros((rows, width), np.int32)  # [rows, width]
+  causal = np.zeros((rows, width), np.int32)  # [rows, width]
   for i, ex in enumerate(examples):
-    ids = ex.input_ids[:inputs_len]
-    encoder[i, : len(ids)] = ids
-    if ex.target_ids is not None:
-      ids = ex.target_ids[:targets_len]
-      targets[i, : len(ids)] = ids
-  decoder_inputs = np.zeros_like(targets)  # [rows, targets_len]: BOS 0, then targets shifted
+    input_ids = ex.input_ids[:inputs_len]
+    encoder[i, : len(input_ids)] = input_ids
+    start = len(input_ids) if decoder_only else 0
+    causal[i, : start + 1] = 1
+    target_ids = [] if ex.target_ids is None else ex.target_ids[:targets_len]
+    row = np.concatenate([input_ids, target_ids]) if decoder_only else target_ids
+    targets[i, : len(row)] = row
+    loss_weights[i, start : len(row)] = 1
+  decoder_inputs = np.zeros_like(targets)  # [rows, width]: BOS 0, then targets shifted
   decoder_inputs[:, 1:] = targets[:, :-1]
-  return {
-    "encoder_input_tokens": encoder,
+  batch = {
     "decoder_input_tokens": decoder_inputs,
     "decoder_target_tokens": targets,
-    "decoder_loss_weights": (targets > 0).astype(np.int32),
+    "decoder_loss_weights": loss_weights,
   }
+  if decoder_only:
+    return {**batch, "decoder_causal_attention": causal}
+  return {"encoder_input_tokens": encoder, **batch}
 
 
 # ------------------------------------------------------------------ resumable output
@@ -400,7 +415,12 @@ def _run(
     for first in range(0, len(todo), batch_size):
       chunk = todo[first : first + batch_size]
       records, tokens = _records(
-        runner, params, chunk, make_batch(chunk, lengths), mode, model.output_vocabulary
+        runner,
+        params,
+        chunk,
+        make_batch(chunk, lengths, model.module.config.architecture),
+        mode,
+        model.output_vocabulary,
       )
       output.append(records)
       generated += tokens

@@ -538,10 +538,20 @@ class MultiHeadAttention(nn.Module):
     self.variable('cache', 'cached_key', jnp.zeros, cache_shape, self.dtype)
     self.variable('cache', 'cached_value', jnp.zeros, cache_shape, self.dtype)
 
-  def _decode_step_kv(self, inputs_kv: Array, decode_position: Array) -> tuple[Array, Array]:
+  def _prefill_cache(self, key: Array, value: Array) -> None:
+    """Writes a whole prompt's key/value [batch, k, heads, kv] to cache slots [0, k)."""
+    for name, new in (('cached_key', key), ('cached_value', value)):
+      cache = self.variable('cache', name)
+      new = jnp.swapaxes(new, 1, 2).astype(self.dtype)  # [batch, heads, k, kv]
+      cache.value = jax.lax.dynamic_update_slice(cache.value, new, (0, 0, 0, 0))
+
+  def _decode_step_kv(
+    self, inputs_kv: Array, decode_position: Array, prefilled: Array | None
+  ) -> tuple[Array, Array]:
     """Updates the cache for one step; returns all keys/values [batch, heads, length, kv].
 
-    Self-attention writes this step's key/value at decode_position; cross-attention
+    Self-attention writes this step's key/value at decode_position, except in the
+    rows where `prefilled` [batch] says that slot holds a prefilled prompt's; cross-attention
     reads the projection cached when the cache was created (inputs_kv is unused).
     """
     cached_key = self.variable('cache', 'cached_key')
@@ -552,6 +562,12 @@ class MultiHeadAttention(nn.Module):
     new_key = jnp.swapaxes(new_key, 1, 2).astype(self.dtype)  # [batch, heads, 1, kv]
     new_value = jnp.swapaxes(new_value, 1, 2).astype(self.dtype)  # [batch, heads, 1, kv]
     start = (0, 0, decode_position, 0)
+    if prefilled is not None:
+      keep = prefilled[:, None, None, None]  # [batch, 1, 1, 1]
+      old_key = jax.lax.dynamic_slice(cached_key.value, start, new_key.shape)
+      old_value = jax.lax.dynamic_slice(cached_value.value, start, new_value.shape)
+      new_key = jnp.where(keep, old_key, new_key)  # [batch, heads, 1, kv]
+      new_value = jnp.where(keep, old_value, new_value)  # [batch, heads, 1, kv]
     key = jax.lax.dynamic_update_slice(cached_key.value, new_key, start)
     value = jax.lax.dynamic_update_slice(cached_value.value, new_value, start)
     cached_key.value, cached_value.value = key, value
@@ -569,6 +585,7 @@ class MultiHeadAttention(nn.Module):
     decode: bool = False,
     decode_position: Array | None = None,
     cache_length: int | None = None,
+    prefilled: Array | None = None,
   ) -> Array:
     """Attends from inputs_q [batch, q, embed] to inputs_kv [batch, k, embed].
 
@@ -581,9 +598,12 @@ class MultiHeadAttention(nn.Module):
         (see `causal_step_bias`).
       deterministic: disables dropout.
       decode: creates (first call) and uses the key/value cache.
-      decode_position: 0-d int32 step index; None means a full-sequence call (which,
-        with decode=True, only initialises the cache).
+      decode_position: 0-d int32 step index; None means a full-sequence call, which
+        with decode=True initialises the cache if there is none, and otherwise
+        (self-attention) prefills it: writes this call's keys/values to its first slots.
       cache_length: cache length for self-attention; defaults to the input length.
+      prefilled: [batch] bool, in a self-attention decode step: rows whose cache slot
+        at decode_position holds a prefilled prompt's key/value, kept as it is.
 
     Returns:
       [batch, q, embed].
@@ -595,13 +615,16 @@ class MultiHeadAttention(nn.Module):
     biases = [mask_bias]
     step = decode and decode_position is not None
     if step:
-      key, value = self._decode_step_kv(inputs_kv, decode_position)  # [batch, heads, k, kv]
+      # [batch, heads, k, kv]
+      key, value = self._decode_step_kv(inputs_kv, decode_position, prefilled)
       if not self.cross_attention:
         biases.append(causal_step_bias(position_bias, decode_position, key.shape[2]))
     else:
       key, value = self._project_kv(inputs_kv)
       biases.append(position_bias)
-      if decode:
+      if decode and self.has_variable('cache', 'cached_key') and not self.cross_attention:
+        self._prefill_cache(key, value)
+      elif decode:
         self._init_cache(key, value, cache_length)
     dropout_rng = None
     if not deterministic and self.dropout_rate > 0.0:

@@ -216,6 +216,21 @@ def get_loss_normalizing_factor_and_weights(
   )
 
 
+def input_tokens(batch: Mapping[str, jax.Array]) -> jax.Array:
+  """[batch, length] bool: the non-padding input tokens of a batch.
+
+  Encoder-decoder: `encoder_input_tokens` > 0. Decoder-only: the inputs (prefix) in
+  `decoder_input_tokens`, where `decoder_causal_attention` is 1 (seqio's
+  PrefixLMFeatureConverter); none for a plain language model.
+  """
+  if "encoder_input_tokens" in batch:
+    return batch["encoder_input_tokens"] > 0
+  prefix = batch.get("decoder_causal_attention")
+  if prefix is None:
+    return jnp.zeros_like(batch["decoder_input_tokens"], jnp.bool_)
+  return (batch["decoder_input_tokens"] > 0) & (prefix > 0)
+
+
 def count_sequences(batch: Mapping[str, jax.Array]) -> jax.Array:
   """Number of target sequences in a batch, counting every packed segment.
 
@@ -264,7 +279,7 @@ def metric_sums(
     "num_weighted_tokens": jnp.sum((weights > 0).astype(jnp.float32)),
     "num_tokens": jnp.sum(nonpadding),
     "num_target_positions": jnp.asarray(targets.size, jnp.float32),
-    "num_input_tokens": jnp.sum(batch["encoder_input_tokens"] > 0).astype(jnp.float32),
+    "num_input_tokens": jnp.sum(input_tokens(batch)).astype(jnp.float32),
     "num_sequences": count_sequences(batch),
   }
 

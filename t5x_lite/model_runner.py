@@ -27,12 +27,13 @@ from t5x_lite.errors import ConfigError
 
 PyTree = Any
 DECODE_FNS = ("greedy", "beam", "sample")
-# Model feature names of one unpacked encoder-decoder batch.
+# Model feature names of one unpacked batch (encoder-decoder or decoder-only).
 FEATURES = (
   "encoder_input_tokens",
   "decoder_input_tokens",
   "decoder_target_tokens",
   "decoder_loss_weights",
+  "decoder_causal_attention",
 )
 
 

@@ -23,7 +23,7 @@ import gin
 import jax
 import jax.numpy as jnp
 
-from t5x_lite import decoding, losses, network
+from t5x_lite import decoder_only, decoding, losses, network
 from t5x_lite.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -184,13 +184,15 @@ class EncoderDecoderModel:
   # ------------------------------------------------------------ prediction
 
   def _decoding_inputs(
-    self, params: PyTree, batch: Batch, num_decodes: int, max_len: int
-  ) -> tuple[PyTree, decoding.TokensToLogits]:
+    self, params: PyTree, batch: Batch, num_decodes: int, max_decode_len: int | None
+  ) -> tuple[jax.Array, PyTree, decoding.TokensToLogits]:
     """Encodes once, expands to batch * num_decodes rows, initialises the cache.
 
     Returns:
-      (cache, tokens_to_logits) for `t5x_lite.decoding`.
+      (decoder prompt [batch, max_len] of zeros, cache, tokens_to_logits) for
+      `t5x_lite.decoding`.
     """
+    max_len = max_decode_len or batch["decoder_input_tokens"].shape[1]
     inputs = batch["encoder_input_tokens"]
     encoded = self.module.apply(
       {"params": params},
@@ -226,7 +228,13 @@ class EncoderDecoderModel:
       logits, new_cache = decode({"params": params, "cache": step_cache}, ids)
       return logits[:, 0, :].astype(jnp.float32), new_cache  # [rows, vocab]
 
-    return cache, tokens_to_logits
+    prompt = jnp.zeros((batch["encoder_input_tokens"].shape[0], max_len), jnp.int32)
+    return prompt, cache, tokens_to_logits
+
+  def _generated(self, tokens: jax.Array, prompt: jax.Array) -> jax.Array:
+    """The generated part of decoded tokens [batch, decodes, len] (here: all of it)."""
+    del prompt
+    return tokens
 
   def predict_batch_with_aux(
     self,
@@ -265,11 +273,9 @@ class EncoderDecoderModel:
     if unknown or decode_fn not in ("greedy", "sample", "beam"):
       raise ValueError(f"Bad decode_fn {decode_fn!r} or decoder_params {sorted(unknown)}.")
     max_len = decoder_params.pop("max_decode_len", None)
-    max_len = max_len or batch["decoder_input_tokens"].shape[1]
-    cache, tokens_to_logits = self._decoding_inputs(params, batch, num_decodes, max_len)
-    prompt = jnp.zeros((batch["encoder_input_tokens"].shape[0], max_len), jnp.int32)
-    eos_id = self.output_vocabulary.eos_id
     min_len = decoder_params.pop("min_decode_len", 0)
+    prompt, cache, tokens_to_logits = self._decoding_inputs(params, batch, num_decodes, max_len)
+    eos_id = self.output_vocabulary.eos_id
     if decode_fn == "beam":
       tokens, scores = decoding.beam_search(
         prompt,
@@ -294,7 +300,7 @@ class EncoderDecoderModel:
         min_decode_len=min_len,
         **sampling,
       )
-    tokens = _zero_after_eos(tokens, eos_id)
+    tokens = _zero_after_eos(self._generated(tokens, prompt), eos_id)
     if return_all_decodes:
       return tokens, {"scores": scores}
     return tokens[:, 0], {"scores": scores[:, 0]}
@@ -310,12 +316,133 @@ class EncoderDecoderModel:
     return self.predict_batch_with_aux(params, batch, rng, **kwargs)[0]
 
 
+class DecoderOnlyModel(EncoderDecoderModel):
+  """Decoder-only language model or prefix LM (T5X's `DecoderOnlyModel`).
+
+  Same loss, metrics and scoring as `EncoderDecoderModel`, over seqio's decoder
+  features (`seqio.DecoderFeatureConverter`: inputs and targets concatenated, loss on
+  the targets only). Decoding continues each row's prompt (the inputs: the
+  `decoder_input_tokens` where `decoder_causal_attention` is 1; none for a plain
+  language model's batch): one prefill pass writes the prompt's keys and values to the
+  cache (a prefix LM's prompt sees itself in full), the decoding loop forces the
+  prompt's tokens and then generates, and the prompt is cut off the result. Scores count
+  only generated tokens; a beam's length penalty counts the prompt's length too.
+
+  Attributes: as `EncoderDecoderModel`; `module` is a
+  `decoder_only.DecoderOnlyTransformer`.
+  """
+
+  def init_params(self, rng: jax.Array) -> PyTree:
+    """Boxed initial params (`nn.LogicallyPartitioned` leaves) from one PRNG key."""
+    return decoder_only.init_params(self.module.config, rng)
+
+  def _decoding_inputs(
+    self, params: PyTree, batch: Batch, num_decodes: int, max_decode_len: int | None
+  ) -> tuple[jax.Array, PyTree, decoding.TokensToLogits]:
+    """Prompt, prefilled cache and step function for `t5x_lite.decoding`.
+
+    The decoding buffer is as wide as `decoder_input_tokens`, plus `max_decode_len`
+    if given (then the output is cut to that many tokens).
+
+    Returns:
+      (prompt [batch, max_len]: BOS then the inputs, zeros after; cache with
+      batch * num_decodes rows; tokens_to_logits).
+    """
+    tokens = batch["decoder_input_tokens"]  # [batch, length]
+    prefix = batch.get("decoder_causal_attention")
+    prompt = tokens * prefix if prefix is not None else jnp.zeros_like(tokens)
+    if max_decode_len:
+      widen = ((0, 0), (0, max_decode_len))
+      prompt = jnp.pad(prompt, widen)  # [batch, length + max_decode_len]
+      prefix = None if prefix is None else jnp.pad(prefix, widen)
+    prompt = prompt.astype(jnp.int32)
+    max_len = prompt.shape[1]
+
+    def decode(variables: PyTree, ids: jax.Array, **kwargs: Any) -> tuple[jax.Array, PyTree]:
+      logits, new_vars = self.module.apply(
+        variables, ids, None, enable_dropout=False, decode=True, mutable=["cache"], **kwargs
+      )
+      return logits, new_vars["cache"]
+
+    # The first decode=True apply only creates zeroed caches; the second prefills them.
+    _, cache = decode({"params": params}, jnp.ones((prompt.shape[0], max_len), jnp.int32))
+    _, cache = decode(
+      {"params": params, "cache": cache}, prompt, decoder_causal_attention=prefix, prefill=True
+    )
+    cache = decoding.expand_to_beams(cache, num_decodes)
+
+    def tokens_to_logits(ids: jax.Array, step_cache: PyTree) -> tuple[jax.Array, PyTree]:
+      logits, new_cache = decode({"params": params, "cache": step_cache}, ids)  # [rows, 1, vocab]
+      return logits[:, 0, :].astype(jnp.float32), new_cache  # [rows, vocab]
+
+    return prompt, cache, tokens_to_logits
+
+  def _generated(self, tokens: jax.Array, prompt: jax.Array) -> jax.Array:
+    """Cuts each row's prompt off decoded tokens [batch, decodes, len] (zeros after)."""
+    width = tokens.shape[-1]
+    # [batch]: the number of forced prompt tokens (the prompt's column 0 is the BOS)
+    prompt_length = jnp.max(jnp.arange(prompt.shape[1]) * (prompt > 0), axis=1)
+    source = jnp.arange(width)[None, :] + prompt_length[:, None]  # [batch, len]
+    source = jnp.broadcast_to(source[:, None, :], tokens.shape)  # [batch, decodes, len]
+    shifted = jnp.take_along_axis(tokens, jnp.minimum(source, width - 1), axis=-1)
+    return jnp.where(source < width, shifted, 0)
+
+  def predict_batch_with_aux(
+    self,
+    params: PyTree,
+    batch: Batch,
+    rng: jax.Array | None = None,
+    *,
+    decoder_params: Mapping[str, Any] | None = None,
+    return_all_decodes: bool = False,
+    num_decodes: int = 1,
+    decode_fn: str = "greedy",
+  ) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """`EncoderDecoderModel.predict_batch_with_aux` continuing each row's prompt.
+
+    Same arguments and outputs; tokens hold only the generated continuation (with
+    `max_decode_len` set, at most that many). `min_decode_len` is not supported.
+
+    Raises:
+      ValueError: for min_decode_len > 0, or as `EncoderDecoderModel`.
+    """
+    decoder_params = dict(decoder_params or {})
+    if decoder_params.get("min_decode_len"):
+      raise ValueError("min_decode_len is not supported by decoder-only models.")
+    tokens, aux = super().predict_batch_with_aux(
+      params,
+      batch,
+      rng,
+      decoder_params=decoder_params,
+      return_all_decodes=return_all_decodes,
+      num_decodes=num_decodes,
+      decode_fn=decode_fn,
+    )
+    max_decode_len = decoder_params.get("max_decode_len")
+    return (tokens[..., :max_decode_len] if max_decode_len else tokens), aux
+
+
 def teacher_forced_logits(
-  module: network.Transformer, params: PyTree, batch: Batch, dropout_rng: jax.Array | None
+  module: network.Transformer | decoder_only.DecoderOnlyTransformer,
+  params: PyTree,
+  batch: Batch,
+  dropout_rng: jax.Array | None,
 ) -> jax.Array:
   """`module`'s float32 logits [batch, target_len, vocab] on a batch of
-  EncDecFeatureConverter features (packing ones included); dropout iff `dropout_rng`."""
+  EncDecFeatureConverter (or, for a decoder-only module, DecoderFeatureConverter)
+  features, packing ones included; dropout iff `dropout_rng`."""
   rngs = None if dropout_rng is None else {"dropout": dropout_rng}
+  if isinstance(module, decoder_only.DecoderOnlyTransformer):
+    return module.apply(
+      {"params": params},
+      batch["decoder_input_tokens"],
+      batch["decoder_target_tokens"],
+      decoder_segment_ids=batch.get("decoder_segment_ids"),
+      decoder_positions=batch.get("decoder_positions"),
+      decoder_causal_attention=batch.get("decoder_causal_attention"),
+      enable_dropout=dropout_rng is not None,
+      rngs=rngs,
+    )
   return module.apply(
     {"params": params},
     batch["encoder_input_tokens"],
@@ -337,11 +464,22 @@ def _zero_after_eos(tokens: jax.Array, eos_id: int) -> jax.Array:
   return jnp.where(after_first, 0, tokens)
 
 
+def init_params(config: network.T5Config, rng: jax.Array) -> PyTree:
+  """Boxed initial params of the network of `config.architecture`."""
+  if config.architecture == "encoder_decoder":
+    return network.init_params(config, rng)
+  return decoder_only.init_params(config, rng)
+
+
 @gin.configurable
 def build_model(
   config: network.T5Config | None = None, vocabulary: seqio.Vocabulary | None = None
 ) -> EncoderDecoderModel:
-  """EncoderDecoderModel over `Transformer(config)` and the configured vocabulary.
+  """The model of `config.architecture` over its network and the configured vocabulary.
+
+  'encoder_decoder': `EncoderDecoderModel` over `network.Transformer(config)`;
+  'decoder_only' and 'prefix_lm': `DecoderOnlyModel` over
+  `decoder_only.DecoderOnlyTransformer(config)`.
 
   Train, eval and infer build their model here: train from `T5Config()` with its
   gin bindings (gin/models/...), eval and infer from the checkpoint's stored config
@@ -365,4 +503,6 @@ def build_model(
       f"The vocabulary has {vocabulary.vocab_size} ids but T5Config.vocab_size is "
       f"{config.vocab_size}; set T5Config.vocab_size >= {vocabulary.vocab_size}."
     )
-  return EncoderDecoderModel(network.Transformer(config), vocabulary, vocabulary)
+  if config.architecture == "encoder_decoder":
+    return EncoderDecoderModel(network.Transformer(config), vocabulary, vocabulary)
+  return DecoderOnlyModel(decoder_only.DecoderOnlyTransformer(config), vocabulary, vocabulary)

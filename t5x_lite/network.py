@@ -25,6 +25,7 @@ Array = jax.Array
 
 _DTYPES = {'float32': jnp.float32, 'bfloat16': jnp.bfloat16, 'float16': jnp.float16}
 _REMAT_POLICIES = ('none', 'minimal', 'full')
+ARCHITECTURES = ('encoder_decoder', 'decoder_only', 'prefix_lm')
 
 
 @gin.configurable
@@ -62,6 +63,11 @@ class T5Config:
       'float32' (T5X's `float32_logits=True`), or 'bfloat16' (flaxformer's
       default with bfloat16 activations; halves the largest activations of
       training, the [batch, heads, q, k] logits and weights).
+    architecture: the T5 paper's three (section 3.2.1): 'encoder_decoder'
+      (`Transformer`); 'decoder_only', a causal language model over inputs and
+      targets concatenated; 'prefix_lm', the same decoder with fully visible
+      attention over the inputs (`decoder_only.DecoderOnlyTransformer` for both,
+      which have no encoder: num_encoder_layers must be 0).
   """
 
   vocab_size: int
@@ -84,6 +90,7 @@ class T5Config:
   adapter_dim: int = 0
   relpos_bias_per_layer: bool = False
   attention_logits_dtype: str = 'float32'
+  architecture: str = 'encoder_decoder'
 
   def __post_init__(self):
     # JSON round trips turn tuples into lists; keep the config hashable.
@@ -96,6 +103,15 @@ class T5Config:
     if self.remat_policy not in _REMAT_POLICIES:
       raise ConfigError(
         f'T5Config.remat_policy must be one of {_REMAT_POLICIES}, got {self.remat_policy!r}'
+      )
+    if self.architecture not in ARCHITECTURES:
+      raise ConfigError(
+        f'T5Config.architecture must be one of {ARCHITECTURES}, got {self.architecture!r}'
+      )
+    if self.architecture != 'encoder_decoder' and self.num_encoder_layers:
+      raise ConfigError(
+        f'T5Config.num_encoder_layers must be 0 for architecture {self.architecture!r} '
+        f'(no encoder), got {self.num_encoder_layers}'
       )
     if self.adapter_dim < 0:
       raise ConfigError(
@@ -217,10 +233,15 @@ class DecoderLayer(nn.Module):
     encoded: Array,
     self_mask_bias: Array | None,
     position_bias: Array,
-    cross_mask_bias: Array,
+    cross_mask_bias: Array | None,
     decode_position: Array | None,
+    prefilled: Array | None = None,
   ) -> Any:
-    """x [batch, target_len, embed] -> same; returns (x, None) when scanned."""
+    """x [batch, target_len, embed] -> same; returns (x, None) when scanned.
+
+    Without `encoded` (decoder-only models) the layer has no cross-attention.
+    `prefilled` [batch]: see `layers.MultiHeadAttention`.
+    """
     cfg = self.config
     position_bias = _layer_position_bias(cfg, position_bias, bidirectional=False)
     kwargs = dict(
@@ -228,14 +249,21 @@ class DecoderLayer(nn.Module):
     )
     y = _norm(cfg, 'pre_self_attention_layer_norm')(x)
     y = _attention(cfg, 'self_attention')(
-      y, y, self_mask_bias, position_bias, cache_length=self.cache_length, **kwargs
+      y,
+      y,
+      self_mask_bias,
+      position_bias,
+      cache_length=self.cache_length,
+      prefilled=prefilled,
+      **kwargs,
     )
     x = _residual(cfg, y, x, self.deterministic)
-    y = _norm(cfg, 'pre_cross_attention_layer_norm')(x)
-    y = _attention(cfg, 'encoder_decoder_attention', cross=True)(
-      y, encoded, cross_mask_bias, **kwargs
-    )
-    x = _residual(cfg, y, x, self.deterministic)
+    if encoded is not None:
+      y = _norm(cfg, 'pre_cross_attention_layer_norm')(x)
+      y = _attention(cfg, 'encoder_decoder_attention', cross=True)(
+        y, encoded, cross_mask_bias, **kwargs
+      )
+      x = _residual(cfg, y, x, self.deterministic)
     x = _feed_forward(cfg, x, self.deterministic)
     return (x, None) if cfg.scan_layers else x
 
@@ -382,13 +410,18 @@ class Decoder(nn.Module):
 
   def _full_biases(
     self,
-    encoder_input_tokens: Array,
+    encoder_input_tokens: Array | None,
     decoder_input_tokens: Array,
     decoder_target_tokens: Array | None,
     encoder_segment_ids: Array | None,
     decoder_segment_ids: Array | None,
-  ) -> tuple[Array, Array, Array]:
-    """(self mask bias, relative position bias, cross mask bias) for whole sequences."""
+    decoder_causal_attention: Array | None,
+  ) -> tuple[Array, Array, Array | None]:
+    """(self mask bias, relative position bias, cross mask bias or None) for whole sequences.
+
+    `decoder_causal_attention` [batch, length] marks a prefix LM's inputs: positions
+    where it is 1 see each other in full (seqio's PrefixLMFeatureConverter feature).
+    """
     length = decoder_input_tokens.shape[1]
     if decoder_target_tokens is None:
       # Right padding sits after every real token, so the causal mask already hides it.
@@ -397,18 +430,23 @@ class Decoder(nn.Module):
     else:
       valid = decoder_target_tokens > 0  # [batch, target_len]
       self_padding = layers.make_attention_mask(valid, valid)
+    visible = layers.make_causal_mask(length)  # [1, 1, q, k]
+    if decoder_causal_attention is not None:
+      prefix = decoder_causal_attention > 0  # [batch, length]
+      visible = visible | layers.make_attention_mask(prefix, prefix)  # [batch, 1, q, k]
     self_mask = layers.combine_masks(
-      layers.make_causal_mask(length),
-      self_padding,
-      _segment_mask(decoder_segment_ids, decoder_segment_ids),
+      visible, self_padding, _segment_mask(decoder_segment_ids, decoder_segment_ids)
     )
-    cross_mask = layers.combine_masks(
-      layers.make_attention_mask(valid, encoder_input_tokens > 0),
-      _segment_mask(decoder_segment_ids, encoder_segment_ids),
-    )
+    cross_mask_bias = None
+    if encoder_input_tokens is not None:
+      cross_mask = layers.combine_masks(
+        layers.make_attention_mask(valid, encoder_input_tokens > 0),
+        _segment_mask(decoder_segment_ids, encoder_segment_ids),
+      )
+      cross_mask_bias = layers.mask_to_bias(cross_mask)
     relative = layers.relative_positions(length, length)
     position_bias = _stack_position_bias(self.config, relative, bidirectional=False)
-    return layers.mask_to_bias(self_mask), position_bias, layers.mask_to_bias(cross_mask)
+    return layers.mask_to_bias(self_mask), position_bias, cross_mask_bias
 
   def _logits(self, x: Array) -> Array:
     """Final hidden states [batch, length, embed] -> float32 logits [batch, length, vocab]."""
@@ -429,11 +467,41 @@ class Decoder(nn.Module):
       )(x)
     return nn.with_logical_constraint(logits, ('batch', 'length', 'vocab'))
 
+  def _decode_state(
+    self, decoder_input_tokens: Array, decoder_only: bool, prefill: bool
+  ) -> tuple[Array | None, Array | None]:
+    """Advances the decode caches' bookkeeping; returns (decode_position, prefilled).
+
+    decode_position: this step's 0-d position, None in the cache-creating call and in
+    a prefill. prefilled [batch] (decoder-only models): rows whose slot at
+    decode_position holds their prefilled prompt, which the step must not overwrite.
+    """
+    initialized = self.has_variable('cache', 'cache_index')
+    cache_index = self.variable('cache', 'cache_index', lambda: jnp.array(0, jnp.int32))
+    prefill_length = None
+    if decoder_only:
+      rows = decoder_input_tokens.shape[0]
+      # [batch] int32: prompt positions written by the prefill call
+      prefill_length = self.variable('cache', 'prefill_length', jnp.zeros, (rows,), jnp.int32)
+    if prefill:
+      if prefill_length is None or not initialized:
+        raise ValueError('prefill needs a decoder-only model whose cache was created.')
+      # [batch]: the prompt ends at the last nonzero token (column 0 is the BOS)
+      nonzero = jnp.arange(decoder_input_tokens.shape[1]) * (decoder_input_tokens > 0)
+      prefill_length.value = jnp.max(nonzero, axis=1).astype(jnp.int32) + 1
+      return None, None
+    if not initialized:
+      return None, None
+    decode_position = cache_index.value
+    cache_index.value = decode_position + 1
+    prefilled = None if prefill_length is None else decode_position < prefill_length.value
+    return decode_position, prefilled
+
   @nn.compact
   def __call__(
     self,
-    encoded: Array,
-    encoder_input_tokens: Array,
+    encoded: Array | None,
+    encoder_input_tokens: Array | None,
     decoder_input_tokens: Array,
     decoder_target_tokens: Array | None = None,
     encoder_segment_ids: Array | None = None,
@@ -442,21 +510,25 @@ class Decoder(nn.Module):
     deterministic: bool = True,
     decode: bool = False,
     max_decode_length: int | None = None,
+    decoder_causal_attention: Array | None = None,
+    prefill: bool = False,
   ) -> Array:
     """Returns float32 logits [batch, target_len, vocab] (target_len 1 in a decode step).
 
-    `decoder_positions` (packing) are accepted and not needed: see
+    Without `encoded` and `encoder_input_tokens` it is a decoder-only model's stack
+    (no cross-attention); `decoder_causal_attention` then marks a prefix LM's
+    fully visible inputs, and `prefill=True` (with decode=True, after the
+    cache-creating call) writes a prompt [batch, prompt_len] to the caches' first slots
+    in one pass. `decoder_positions` (packing) are accepted and not needed: see
     `layers.relative_positions`.
     """
     del decoder_positions
     cfg = self.config
-    decode_position = None
+    decode_position, prefilled = None, None
     if decode:
-      initialized = self.has_variable('cache', 'cache_index')
-      cache_index = self.variable('cache', 'cache_index', lambda: jnp.array(0, jnp.int32))
-      if initialized:
-        decode_position = cache_index.value
-        cache_index.value = decode_position + 1
+      decode_position, prefilled = self._decode_state(
+        decoder_input_tokens, encoded is None, prefill
+      )
     if decode_position is None:
       self_mask_bias, position_bias, cross_mask_bias = self._full_biases(
         encoder_input_tokens,
@@ -464,16 +536,19 @@ class Decoder(nn.Module):
         decoder_target_tokens,
         encoder_segment_ids,
         decoder_segment_ids,
+        decoder_causal_attention,
       )
     else:
       self_mask_bias = None  # the attention masks keys after decode_position itself
       distance = jnp.arange(cfg.relative_attention_max_distance + 1, dtype=jnp.int32)  # [D]
       # [1, heads, 1, D] (per-layer tables: the distances [1, 1, D])
       position_bias = _stack_position_bias(cfg, -distance[None, None, :], bidirectional=False)
-      query_valid = jnp.ones(decoder_input_tokens.shape, jnp.bool_)  # [batch, 1]
-      cross_mask_bias = layers.mask_to_bias(
-        layers.make_attention_mask(query_valid, encoder_input_tokens > 0)
-      )
+      cross_mask_bias = None
+      if encoder_input_tokens is not None:
+        query_valid = jnp.ones(decoder_input_tokens.shape, jnp.bool_)  # [batch, 1]
+        cross_mask_bias = layers.mask_to_bias(
+          layers.make_attention_mask(query_valid, encoder_input_tokens > 0)
+        )
     x = self.shared_embedding(decoder_input_tokens)  # [batch, target_len, embed]
     x = nn.Dropout(rate=cfg.dropout_rate, broadcast_dims=(-2,))(x, deterministic=deterministic)
     x = nn.with_logical_constraint(x, ('batch', 'length', 'embed'))
@@ -487,6 +562,7 @@ class Decoder(nn.Module):
       position_bias,
       cross_mask_bias,
       decode_position,
+      prefilled,
       deterministic=deterministic,
       decode=decode,
       cache_length=max_decode_length if decode else None,
@@ -507,6 +583,8 @@ class Transformer(nn.Module):
 
   def setup(self):
     cfg = self.config
+    if cfg.architecture != 'encoder_decoder':
+      raise ValueError(f'Transformer is the encoder-decoder; got architecture {cfg.architecture!r}')
     self.token_embedder = layers.Embed(
       cfg.vocab_size, cfg.emb_dim, cfg.activation_dtype, cfg.parameter_dtype
     )

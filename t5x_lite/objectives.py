@@ -21,6 +21,7 @@ rate: 10/15/25/50%); the sentinels count down from the top of the vocabulary
   mass_style         i.i.d. tokens -> mask                  the original segment
   deshuffling        the segment's tokens shuffled          the original segment
   prefix_lm          a random-length prefix                 the continuation
+  lm                 none (a decoder-only language model)   the segment
 
 The corruption rate and span length are gin knobs of each objective, e.g.
 `objectives.span_corruption.noise_density = 0.5` and
@@ -49,6 +50,7 @@ from t5x_lite.noise import (
   random_spans_noise_mask,
   replace_spans_with_sentinels,
 )
+from t5x_lite import preprocessors
 from t5x_lite.preprocessors import require_features
 
 
@@ -336,6 +338,32 @@ def prefix_lm(
   return _split_prefix(ds, max_inputs=max_inputs, max_targets=max_targets, eos_id=vocabulary.eos_id)
 
 
+def lm(
+  dataset: tf.data.Dataset,
+  sequence_length: Mapping[str, int],
+  output_features: Mapping[str, seqio.Feature],
+) -> tf.data.Dataset:
+  """Plain language modelling: targets are segments of targets - 1 tokens, with EOS.
+
+  There are no inputs, so the task's output features are `objective_features('lm')`
+  and only a decoder-only model reads it (seqio's LMFeatureConverter, through
+  `seqio.DecoderFeatureConverter`).
+
+  Args:
+    dataset: tokenized examples with 'targets'.
+    sequence_length: needs 'targets'.
+    output_features: the task's features ('targets' vocabulary).
+
+  Returns:
+    A dataset of {'targets'} ending in EOS.
+  """
+  eos_id = _targets_vocabulary(output_features).eos_id
+  ds = concat_and_split(dataset, sequence_length["targets"] - 1)
+  return ds.map(
+    lambda x: {"targets": _append_eos(x["targets"], eos_id)}, num_parallel_calls=tf.data.AUTOTUNE
+  )
+
+
 UNSUPERVISED_OBJECTIVES = {
   "span_corruption": span_corruption,
   "iid_replace_spans": iid_replace_spans,
@@ -345,6 +373,7 @@ UNSUPERVISED_OBJECTIVES = {
   "mass_style": mass_style,
   "deshuffling": deshuffling,
   "prefix_lm": prefix_lm,
+  "lm": lm,
 }
 
 
@@ -370,6 +399,15 @@ def unsupervised_preprocessors(objective: str, text_key: str = "text") -> list:
     seqio.preprocessors.tokenize,
     UNSUPERVISED_OBJECTIVES[objective],
   ]
+
+
+def objective_features(
+  objective: str, vocabulary: seqio.Vocabulary | None = None
+) -> dict[str, seqio.Feature]:
+  """A task's output features for `objective`: 'targets' alone for 'lm', else
+  'inputs' and 'targets' (`preprocessors.text_to_text_features`)."""
+  features = preprocessors.text_to_text_features(vocabulary)
+  return {"targets": features["targets"]} if objective == "lm" else features
 
 
 def text_as_targets(dataset: tf.data.Dataset, text_key: str = "text") -> tf.data.Dataset:

@@ -446,8 +446,10 @@ def precompile_train_step(
   gen, _ = parse_topology(topology)
   devices = topology_devices(topology)
   partitioner = slice_partitioner(devices, topology, num_partitions, fsdp)
+  dataset_cfg = data.for_model(dataset_cfg, model.module.config)
   lengths = data.model_feature_lengths(dataset_cfg)
-  inputs, targets = lengths["encoder_input_tokens"], lengths["decoder_target_tokens"]
+  # A decoder-only model's inputs are inside its decoder_target_tokens.
+  inputs, targets = lengths.get("encoder_input_tokens", 0), lengths["decoder_target_tokens"]
   model_flops = (
     flops.flops_per_token(model.module.config, inputs, targets)
     * dataset_cfg.batch_size

@@ -112,7 +112,8 @@ class TaskEvaluator:
     Args:
       runner: predicts / scores batches of `dataset_cfg.batch_size` rows.
       dataset_cfg: mixture_or_task_name, split, task_feature_lengths (None: seqio
-        measures the longest example), batch_size, seed.
+        measures the longest example), batch_size, seed, and the model's
+        architecture (`data.for_model`), which picks the feature converter.
       num_examples: at most this many examples per task (None: all).
       log_dir: where `logger_cls` write.
       logger_cls: seqio loggers (TensorBoard, predictions JSONL, ...).
@@ -126,7 +127,7 @@ class TaskEvaluator:
     with data.naming_failing_task(name, split, lengths, dataset_cfg.seed):
       self.seqio = seqio.Evaluator(
         name,
-        seqio.EncDecFeatureConverter(pack=False),
+        data.feature_converter(dataset_cfg, pack=False),
         eval_split=split,
         sequence_length=lengths,
         seed=dataset_cfg.seed,
@@ -166,7 +167,7 @@ class TaskEvaluator:
       )
     if self.num_examples is not None:
       ds = ds.take(self.num_examples)
-    return seqio.EncDecFeatureConverter(pack=False)(ds, dict(lengths)).cache()
+    return data.feature_converter(self.cfg, pack=False)(ds, dict(lengths)).cache()
 
   def _batches(self, ds: tf.data.Dataset, desc: str):
     """(indices, numpy features) batches of an enumerated dataset, with a progress bar."""

@@ -263,7 +263,8 @@ class _Loop:
     )
     self.logger = metrics_logging.MetricsLogger(model_dir, total_steps)
     lengths = data.model_feature_lengths(dataset_cfg)
-    inputs, targets = lengths["encoder_input_tokens"], lengths["decoder_target_tokens"]
+    # A decoder-only model's inputs are inside its decoder_target_tokens.
+    inputs, targets = lengths.get("encoder_input_tokens", 0), lengths["decoder_target_tokens"]
     tokens = dataset_cfg.batch_size * (inputs + targets)
     peak, source = throughput.device_peak_flops()
     logging.info("Peak FLOP/s per device for MFU: %.3g (%s)", peak, source)
@@ -448,6 +449,9 @@ def train(
     The final TrainState.
   """
   model = model or models.build_model()
+  train_dataset_cfg = data.for_model(train_dataset_cfg, model.module.config)
+  if eval_dataset_cfg is not None:
+    eval_dataset_cfg = data.for_model(eval_dataset_cfg, model.module.config)
   partitioner = partitioner or partitioning.Partitioner()
   optimizer = optimizer.with_trainable(trainable_parameters).with_gradual_unfreezing(
     gradual_unfreezing_steps

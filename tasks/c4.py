@@ -2,12 +2,13 @@
 
 c4_v220_<objective> for every objective of t5x_lite.objectives (span_corruption,
 iid_replace_spans, iid_drop_tokens, bert_style, iid_denoising, mass_style,
-deshuffling, prefix_lm): the T5 paper's unsupervised objectives over the 'text' field.
+deshuffling, prefix_lm, lm): the T5 paper's unsupervised objectives over the 'text' field
+(c4_v220_lm has targets only, for decoder-only models).
 """
 
 import seqio
 
-from t5x_lite import objectives, preprocessors
+from t5x_lite import objectives
 
 C4_TFDS_NAME = "c4/en:3.*.*"
 
@@ -16,6 +17,6 @@ for _objective in objectives.UNSUPERVISED_OBJECTIVES:
     f"c4_v220_{_objective}",
     source=seqio.TfdsDataSource(tfds_name=C4_TFDS_NAME, splits=("train", "validation")),
     preprocessors=objectives.unsupervised_preprocessors(_objective, text_key="text"),
-    output_features=preprocessors.text_to_text_features(),
+    output_features=objectives.objective_features(_objective),
     metric_fns=[],
   )

@@ -1,11 +1,16 @@
 """Offline tasks over text that ships with CPython, and the `quickstart` mixture.
 
-  cpython_span_corruption    span corruption over pydoc topics and stdlib docstrings
+  cpython_<objective>        each objective of t5x_lite.objectives over pydoc topics and
+                             stdlib docstrings (tools/compare.py's objectives table):
+    cpython_span_corruption  span corruption, half of the quickstart mixture
+    cpython_lm               plain language modelling (targets only): the decoder-only
+                             quickstart's task
+    cpython_prefix_lm        the prefix LM objective: the prefix LM quickstart's task
   cpython_code_to_docstring  "summarize python: <function source>" -> first docstring line, ROUGE
-  quickstart                 both, mixed by t5x_lite.mixing.rate_for('quickstart')
-                             (gin quickstart/mixing_rate.*)
+  quickstart                 cpython_span_corruption and cpython_code_to_docstring, mixed by
+                             t5x_lite.mixing.rate_for('quickstart') (gin quickstart/mixing_rate.*)
 
-Both have deterministic, disjoint 'train' and 'validation' splits
+All have deterministic, disjoint 'train' and 'validation' splits
 (t5x_lite.cpython_corpus). Quickstart feature lengths: inputs 128, targets 32
 (span corruption at inputs 128 gives targets of 29 tokens).
 """
@@ -28,13 +33,14 @@ def _code_docstring_pairs(split: str) -> dict[str, list[str]]:
   return {"code": [code for code, _ in pairs], "docstring": [doc for _, doc in pairs]}
 
 
-seqio.TaskRegistry.add(
-  "cpython_span_corruption",
-  source=file_sources.InMemorySource(_prose, splits=cpython_corpus.SPLITS),
-  preprocessors=objectives.unsupervised_preprocessors("span_corruption"),
-  output_features=preprocessors.text_to_text_features(),
-  metric_fns=[],
-)
+for _objective in objectives.UNSUPERVISED_OBJECTIVES:
+  seqio.TaskRegistry.add(
+    f"cpython_{_objective}",
+    source=file_sources.InMemorySource(_prose, splits=cpython_corpus.SPLITS),
+    preprocessors=objectives.unsupervised_preprocessors(_objective),
+    output_features=objectives.objective_features(_objective),
+    metric_fns=[],
+  )
 
 seqio.TaskRegistry.add(
   "cpython_code_to_docstring",

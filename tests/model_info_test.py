@@ -1,5 +1,6 @@
 """Gin model configs, public parameter counts, FLOP counts and tools/model_info.py."""
 
+import dataclasses
 import json
 import math
 import os
@@ -9,11 +10,10 @@ import sys
 
 import gin
 import jax
-import jax.numpy as jnp
 import pytest
 from flax.core import meta
 
-from t5x_lite import flops, network
+from t5x_lite import flops, models, network
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 GIN_ROOT = REPO / 'gin'
@@ -34,21 +34,31 @@ def _config(gin_file: str, bindings: tuple[str, ...] = ()) -> network.T5Config:
 
 
 def _num_params(config: network.T5Config) -> int:
-  model = network.Transformer(config)
-  tokens = jnp.ones((1, 4), jnp.int32)
-  abstract = jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), tokens, tokens, tokens))
-  return sum(math.prod(x.shape) for x in jax.tree.leaves(meta.unbox(abstract['params'])))
+  abstract = jax.eval_shape(lambda: models.init_params(config, jax.random.PRNGKey(0)))
+  return sum(math.prod(x.shape) for x in jax.tree.leaves(meta.unbox(abstract)))
 
 
-def test_all_twelve_model_files_exist():
-  assert len(MODEL_GIN_FILES) == 12, MODEL_GIN_FILES
+def test_all_eighteen_model_files_exist():
+  families = {}
+  for gin_file in MODEL_GIN_FILES:
+    families.setdefault(gin_file.split('/')[1], []).append(gin_file)
+  assert {name: len(files) for name, files in families.items()} == {
+    't5_1_0': 6,
+    't5_1_1': 6,
+    'decoder_only': 3,
+    'prefix_lm': 3,
+  }, MODEL_GIN_FILES
 
 
 @pytest.mark.parametrize('gin_file', MODEL_GIN_FILES)
 def test_every_model_gin_file_parses(gin_file):
   config = _config(gin_file)
   assert config.head_dim in (8, 64, 128)
-  if 't5_1_1' in gin_file:
+  architecture = {'decoder_only': 'decoder_only', 'prefix_lm': 'prefix_lm'}.get(
+    gin_file.split('/')[1], 'encoder_decoder'
+  )
+  assert config.architecture == architecture
+  if 't5_1_0' not in gin_file:
     assert config.mlp_activations == ('gelu', 'linear') and not config.logits_via_embedding
     assert config.dropout_rate == 0.0
   else:
@@ -67,6 +77,30 @@ def test_every_model_gin_file_parses(gin_file):
 )
 def test_public_parameter_counts(gin_file, expected):
   assert _num_params(_config(gin_file)) == expected
+
+
+def test_decoder_only_sizes_are_one_t5_1_1_stack_without_cross_attention():
+  """The T5 paper's Table 2 rows "LM" and "Prefix LM": one stack of the encoder-decoder's
+  size, so P parameters where the encoder-decoder has 2P (apart from the embeddings)."""
+  for size in ('tiny', 'small', 'base'):
+    gin.clear_config()
+    encdec = _config(f'models/t5_1_1/{size}.gin')
+    gin.clear_config()
+    lm = _config(f'models/decoder_only/{size}.gin')
+    gin.clear_config()
+    prefix = _config(f'models/prefix_lm/{size}.gin')
+    assert lm.num_decoder_layers == encdec.num_decoder_layers == encdec.num_encoder_layers
+    assert (lm.emb_dim, lm.num_heads, lm.mlp_dim) == (
+      encdec.emb_dim,
+      encdec.num_heads,
+      encdec.mlp_dim,
+    )
+    assert prefix == dataclasses.replace(lm, architecture='prefix_lm')
+  gin.clear_config()
+  e, heads, m, layers, v = 512, 6 * 64, 1024, 8, 32128
+  layer = 4 * e * heads + 3 * e * m + 2 * e  # self-attention, gated MLP, two norms
+  small = _config('models/decoder_only/small.gin')
+  assert _num_params(small) == 2 * v * e + layers * layer + 6 * 32 + e == 51_782_336
 
 
 def test_size_files_override_base():

@@ -144,6 +144,21 @@ def test_prefix_lm_splits_at_random_points():
   assert len({len(ex["inputs"]) for ex in examples}) > 3
 
 
+def test_lm_targets_are_the_text_in_full_segments():
+  docs = _documents(8)
+  examples = _run(objectives.lm, docs, {"targets": 64})
+  assert all(set(ex) == {"targets"} and ex["targets"][-1] == EOS for ex in examples)
+  assert _stream(examples, "targets").tolist() == np.concatenate(docs).tolist()
+  # Segments are full (63 tokens + EOS) except the last of each concatenated batch.
+  assert sum(len(ex["targets"]) == 64 for ex in examples) >= len(examples) - 1
+  features = objectives.objective_features("lm", seqio.PassThroughVocabulary(900, eos_id=1))
+  assert set(features) == {"targets"}
+  assert set(objectives.objective_features("prefix_lm", features["targets"].vocabulary)) == {
+    "inputs",
+    "targets",
+  }
+
+
 def test_concat_and_split():
   docs = [np.arange(3, 13, dtype=np.int32), np.arange(20, 27, dtype=np.int32)]
   segments = [

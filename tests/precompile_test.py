@@ -140,6 +140,16 @@ def test_tiny_config_fits_a_small_slice():
 
 
 @needs_libtpu
+@pytest.mark.parametrize("quickstart", ["quickstart_decoder_only.gin", "quickstart_prefix_lm.gin"])
+def test_decoder_only_models_precompile_for_a_v5e_slice(quickstart):
+  result = _precompile("v5e:2x2", f"--gin_file={quickstart}", "--gin.BATCH_SIZE=8")
+  assert result.returncode == 0, result.stderr[-4000:]
+  assert result.stdout.strip().endswith("FITS")
+  # inputs + targets in one decoder sequence: 160 tokens per row
+  assert re.search(r"model matmuls \S+ ", result.stdout)
+
+
+@needs_libtpu
 def test_long_sequences_keep_per_chip_memory_small():
   """Regression bound: a [batch, q, k] relative-position bias with heads minor once made
   1.25 GiB of temporaries here (a TPU pads the 4 heads to 128 lanes); now 0.11 GiB."""

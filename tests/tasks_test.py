@@ -73,6 +73,15 @@ def fixture_data_dir(tmp_path):
 
 
 def _packed_batch(task: seqio.Task, split: str, lengths=LENGTHS, **kwargs) -> dict:
+  if "inputs" not in task.output_features:  # a language-model task: decoder-only features
+    lengths = {"targets": lengths["targets"]}
+    ds = task.get_dataset(lengths, split=split, shuffle=False, seed=0, **kwargs)
+    ds = seqio.DecoderFeatureConverter(pack=True)(ds, task_feature_lengths=lengths).batch(2)
+    batch = next(ds.as_numpy_iterator())
+    assert batch["decoder_target_tokens"].shape[1:] == (lengths["targets"],)
+    assert batch["decoder_segment_ids"].max() >= 1
+    assert (batch["decoder_loss_weights"].sum(axis=1) > 0).all()
+    return batch
   ds = task.get_dataset(lengths, split=split, shuffle=False, seed=0, **kwargs)
   ds = seqio.EncDecFeatureConverter(pack=True)(ds, task_feature_lengths=lengths).batch(2)
   batch = next(ds.as_numpy_iterator())

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from absl import app, flags
 from flax.core import meta
 
-from t5x_lite import flops, gin_config, network
+from t5x_lite import flops, gin_config, models, network
 from t5x_lite.errors import ConfigError
 
 _INPUT_LENGTH = flags.DEFINE_integer('input_length', 512, 'Encoder sequence length.')
@@ -38,7 +38,7 @@ _JSON = flags.DEFINE_bool('json', False, 'Print a JSON summary as the last stdou
 
 def _abstract_params(config: network.T5Config) -> dict:
   key = jax.ShapeDtypeStruct((2,), jnp.uint32)
-  return meta.unbox(jax.eval_shape(functools.partial(network.init_params, config), key))
+  return meta.unbox(jax.eval_shape(functools.partial(models.init_params, config), key))
 
 
 def _count(tree) -> int:
@@ -55,23 +55,28 @@ def param_breakdown(config: network.T5Config) -> dict[str, int]:
   logits = _count(decoder.pop('logits_dense', {}))
   return {
     'embedding': _count(params['token_embedder']),
-    'encoder': _count(params['encoder']),
+    'encoder': _count(params.get('encoder', {})),
     'decoder': _count(decoder),
     'logits': logits,
   }
 
 
 def model_info(config: network.T5Config, input_length: int, target_length: int) -> dict:
-  """Parameter counts and FLOPs of `config` as a JSON-serialisable dict."""
+  """Parameter counts and FLOPs of `config` as a JSON-serialisable dict.
+
+  A decoder-only model or prefix LM reads inputs and targets as one sequence of
+  input_length + target_length tokens.
+  """
   breakdown = param_breakdown(config)
+  lengths = flops.network_lengths(config, input_length, target_length)
   return {
     'num_params': sum(breakdown.values()),
     'breakdown': breakdown,
     'adapter_params': _count(network.adapter_params(_abstract_params(config))),
     'input_length': input_length,
     'target_length': target_length,
-    'flops_per_token': flops.flops_per_token(config, input_length, target_length),
-    'forward_flops': flops.forward_flops(config, input_length, target_length),
+    'flops_per_token': flops.flops_per_token(config, *lengths),
+    'forward_flops': flops.forward_flops(config, *lengths),
     'config': dataclasses.asdict(config),
   }
 
