@@ -11,6 +11,9 @@ Conventions shared by `temperature_sample` and `beam_search`:
     A non-zero `decoder_prompt[:, i + 1]` forces output token i (a prompt prefix);
     forced tokens add nothing to the scores, and a forced EOS (a decoder-only model's
     prompt may hold one) does not end the sequence. An all-zero prompt decodes freely.
+    `initial_step` s > 0 starts the loop at output position s, taking positions < s
+    from the prompt (they must all be forced, and the cache must hold their keys and
+    values: a prefilled prompt, see `models.DecoderOnlyModel`).
   * The cache comes ALREADY expanded to `batch * num_decodes` rows (each batch row
     repeated consecutively, see `expand_to_beams`). Every cache leaf has that batch
     axis leading, except 0-d leaves (`cache_index`), which are passed through.
@@ -266,6 +269,7 @@ def temperature_sample(
   min_decode_len: int = 0,
   max_decode_len: int | None = None,
   rescale_log_probs: bool = True,
+  initial_step: int | jax.Array = 0,
 ) -> tuple[jax.Array, jax.Array]:
   """Samples `num_decodes` continuations per batch row (greedy at temperature 0).
 
@@ -287,6 +291,7 @@ def temperature_sample(
     rescale_log_probs: score sampled tokens under the modified distribution actually
       sampled from (True, as T5X) or under the model's unmodified softmax (False).
       Greedy always scores under the unmodified softmax.
+    initial_step: 0-d int, the first output position decoded (see the module docstring).
 
   Returns:
     (sequences [batch, num_decodes, length] int32, scores [batch, num_decodes]
@@ -330,10 +335,11 @@ def temperature_sample(
   def cond(state: _SampleState) -> jax.Array:
     return (state.step < max_decode_len) & ~jnp.all(state.finished)
 
+  step = jnp.asarray(initial_step, jnp.int32)
   init = _SampleState(
-    step=jnp.zeros((), jnp.int32),
+    step=step,
     # Built from `prompt` so that they inherit its (batch) sharding.
-    sequences=jnp.where(jnp.arange(length + 1) == 0, prompt, 0),  # [rows, length + 1]
+    sequences=jnp.where(jnp.arange(length + 1) <= step, prompt, 0),  # [rows, length + 1]
     finished=jnp.zeros_like(prompt[:, 0], jnp.bool_),  # [rows]
     scores=jnp.zeros_like(prompt[:, 0], jnp.float32),  # [rows]
     cache=cache,
@@ -385,19 +391,22 @@ class _BeamState(NamedTuple):
   cache: PyTree  # leaves [batch * beams, ...] or 0-d
 
 
-def _beam_init(prompt: jax.Array, cache: PyTree, beam_size: int) -> _BeamState:
+def _beam_init(
+  prompt: jax.Array, cache: PyTree, beam_size: int, initial_step: int | jax.Array = 0
+) -> _BeamState:
   """Initial state: one live beam per row (the others at NEG_INF), nothing finished.
 
   Everything is built from `prompt` [batch, length + 1] so that it inherits its
   (batch) sharding.
   """
   width = prompt.shape[1]
-  bos = jnp.where(jnp.arange(width) == 0, prompt, 0)  # [batch, length + 1]
+  step = jnp.asarray(initial_step, jnp.int32)
+  bos = jnp.where(jnp.arange(width) <= step, prompt, 0)  # [batch, length + 1]
   # [batch, beams, length + 1]
   seqs = jnp.broadcast_to(bos[:, None, :], (bos.shape[0], beam_size, width))
   zeros = jnp.zeros_like(seqs[:, :, 0], jnp.float32)  # [batch, beams]
   return _BeamState(
-    step=jnp.zeros((), jnp.int32),
+    step=step,
     live_seqs=seqs,
     live_logprobs=jnp.where(jnp.arange(beam_size) == 0, zeros, NEG_INF),  # [batch, beams]
     finished_seqs=seqs,
@@ -537,6 +546,7 @@ def beam_search(
   alpha: float = 0.6,
   min_decode_len: int = 0,
   max_decode_len: int | None = None,
+  initial_step: int | jax.Array = 0,
 ) -> tuple[jax.Array, jax.Array]:
   """Beam search with T5X's length penalty and a separate set of finished beams.
 
@@ -556,6 +566,7 @@ def beam_search(
     alpha: length-penalty exponent (0 = plain log-prob).
     min_decode_len: EOS is masked out for output positions < min_decode_len.
     max_decode_len: at most this many tokens are produced (default: length).
+    initial_step: 0-d int, the first output position decoded (see the module docstring).
 
   Returns:
     (sequences [batch, num_decodes, length] int32, scores [batch, num_decodes]
@@ -576,5 +587,5 @@ def beam_search(
   def cond(state: _BeamState) -> jax.Array:
     return (state.step < max_decode_len) & ~_beam_search_done(state, alpha, max_decode_len)
 
-  final = lax.while_loop(cond, body, _beam_init(prompt, cache, num_decodes))
+  final = lax.while_loop(cond, body, _beam_init(prompt, cache, num_decodes, initial_step))
   return final.finished_seqs[:, :, 1:], final.finished_scores

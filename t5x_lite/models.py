@@ -185,12 +185,12 @@ class EncoderDecoderModel:
 
   def _decoding_inputs(
     self, params: PyTree, batch: Batch, num_decodes: int, max_decode_len: int | None
-  ) -> tuple[jax.Array, PyTree, decoding.TokensToLogits]:
+  ) -> tuple[jax.Array, PyTree, decoding.TokensToLogits, jax.Array | int]:
     """Encodes once, expands to batch * num_decodes rows, initialises the cache.
 
     Returns:
-      (decoder prompt [batch, max_len] of zeros, cache, tokens_to_logits) for
-      `t5x_lite.decoding`.
+      (decoder prompt [batch, max_len] of zeros, cache, tokens_to_logits, initial
+      step 0) for `t5x_lite.decoding`.
     """
     max_len = max_decode_len or batch["decoder_input_tokens"].shape[1]
     inputs = batch["encoder_input_tokens"]
@@ -229,7 +229,7 @@ class EncoderDecoderModel:
       return logits[:, 0, :].astype(jnp.float32), new_cache  # [rows, vocab]
 
     prompt = jnp.zeros((batch["encoder_input_tokens"].shape[0], max_len), jnp.int32)
-    return prompt, cache, tokens_to_logits
+    return prompt, cache, tokens_to_logits, 0
 
   def _generated(self, tokens: jax.Array, prompt: jax.Array) -> jax.Array:
     """The generated part of decoded tokens [batch, decodes, len] (here: all of it)."""
@@ -274,7 +274,9 @@ class EncoderDecoderModel:
       raise ValueError(f"Bad decode_fn {decode_fn!r} or decoder_params {sorted(unknown)}.")
     max_len = decoder_params.pop("max_decode_len", None)
     min_len = decoder_params.pop("min_decode_len", 0)
-    prompt, cache, tokens_to_logits = self._decoding_inputs(params, batch, num_decodes, max_len)
+    prompt, cache, tokens_to_logits, initial_step = self._decoding_inputs(
+      params, batch, num_decodes, max_len
+    )
     eos_id = self.output_vocabulary.eos_id
     if decode_fn == "beam":
       tokens, scores = decoding.beam_search(
@@ -285,6 +287,7 @@ class EncoderDecoderModel:
         num_decodes=num_decodes,
         alpha=decoder_params.get("alpha", 0.6),
         min_decode_len=min_len,
+        initial_step=initial_step,
       )
     else:
       sampling = {k: v for k, v in decoder_params.items() if k != "alpha"}
@@ -298,6 +301,7 @@ class EncoderDecoderModel:
         jax.random.PRNGKey(0) if rng is None else rng,
         num_decodes=num_decodes,
         min_decode_len=min_len,
+        initial_step=initial_step,
         **sampling,
       )
     tokens = _zero_after_eos(self._generated(tokens, prompt), eos_id)
@@ -338,15 +342,16 @@ class DecoderOnlyModel(EncoderDecoderModel):
 
   def _decoding_inputs(
     self, params: PyTree, batch: Batch, num_decodes: int, max_decode_len: int | None
-  ) -> tuple[jax.Array, PyTree, decoding.TokensToLogits]:
-    """Prompt, prefilled cache and step function for `t5x_lite.decoding`.
+  ) -> tuple[jax.Array, PyTree, decoding.TokensToLogits, jax.Array]:
+    """Prompt, prefilled cache, step function and first step for `t5x_lite.decoding`.
 
     The decoding buffer is as wide as `decoder_input_tokens`, plus `max_decode_len`
-    if given (then the output is cut to that many tokens).
+    if given (then the output is cut to that many tokens). Decoding starts at the
+    shortest prompt's end: before it every row only replays its prefilled prompt.
 
     Returns:
       (prompt [batch, max_len]: BOS then the inputs, zeros after; cache with
-      batch * num_decodes rows; tokens_to_logits).
+      batch * num_decodes rows; tokens_to_logits; the 0-d initial step).
     """
     tokens = batch["decoder_input_tokens"]  # [batch, length]
     prefix = batch.get("decoder_causal_attention")
@@ -375,13 +380,12 @@ class DecoderOnlyModel(EncoderDecoderModel):
       logits, new_cache = decode({"params": params, "cache": step_cache}, ids)  # [rows, 1, vocab]
       return logits[:, 0, :].astype(jnp.float32), new_cache  # [rows, vocab]
 
-    return prompt, cache, tokens_to_logits
+    return prompt, cache, tokens_to_logits, jnp.min(_prompt_lengths(prompt))
 
   def _generated(self, tokens: jax.Array, prompt: jax.Array) -> jax.Array:
     """Cuts each row's prompt off decoded tokens [batch, decodes, len] (zeros after)."""
     width = tokens.shape[-1]
-    # [batch]: the number of forced prompt tokens (the prompt's column 0 is the BOS)
-    prompt_length = jnp.max(jnp.arange(prompt.shape[1]) * (prompt > 0), axis=1)
+    prompt_length = _prompt_lengths(prompt)  # [batch]
     source = jnp.arange(width)[None, :] + prompt_length[:, None]  # [batch, len]
     source = jnp.broadcast_to(source[:, None, :], tokens.shape)  # [batch, decodes, len]
     shifted = jnp.take_along_axis(tokens, jnp.minimum(source, width - 1), axis=-1)
@@ -455,6 +459,11 @@ def teacher_forced_logits(
     enable_dropout=dropout_rng is not None,
     rngs=rngs,
   )
+
+
+def _prompt_lengths(prompt: jax.Array) -> jax.Array:
+  """[batch] forced tokens of each decoder prompt row [batch, len] (column 0 is the BOS)."""
+  return jnp.max(jnp.arange(prompt.shape[1]) * (prompt > 0), axis=1)
 
 
 def _zero_after_eos(tokens: jax.Array, eos_id: int) -> jax.Array:

@@ -475,6 +475,8 @@ class Decoder(nn.Module):
     decode_position: this step's 0-d position, None in the cache-creating call and in
     a prefill. prefilled [batch] (decoder-only models): rows whose slot at
     decode_position holds their prefilled prompt, which the step must not overwrite.
+    A prefill moves `cache_index` to the shortest prompt's last position: every row
+    is forced up to there, so decoding starts there (`decoding`'s `initial_step`).
     """
     initialized = self.has_variable('cache', 'cache_index')
     cache_index = self.variable('cache', 'cache_index', lambda: jnp.array(0, jnp.int32))
@@ -489,6 +491,7 @@ class Decoder(nn.Module):
       # [batch]: the prompt ends at the last nonzero token (column 0 is the BOS)
       nonzero = jnp.arange(decoder_input_tokens.shape[1]) * (decoder_input_tokens > 0)
       prefill_length.value = jnp.max(nonzero, axis=1).astype(jnp.int32) + 1
+      cache_index.value = jnp.min(prefill_length.value) - 1
       return None, None
     if not initialized:
       return None, None
