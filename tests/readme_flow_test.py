@@ -59,6 +59,10 @@ SKIPPED = (
     "tests/transfer_recipe_test.py runs the same commands on tiny files with a tiny model",
   ),
   ("Run on a TPU pod or GPU cluster", "needs a TPU slice or a GPU cluster"),
+  (
+    "tools/compare.py",
+    "trains 3 to 8 variants for an hour per table; tests/compare_test.py runs one row tiny",
+  ),
 )
 _COMMAND_WORDS = ("python", "printf", "pip")
 _FILE_IN_HEADING = re.compile(r"`([\w./-]+\.(?:py|gin))`")

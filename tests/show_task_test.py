@@ -91,6 +91,15 @@ def test_shows_raw_records_of_a_task(capsys):
   assert "have targets longer than 16 tokens and are truncated" in out
 
 
+def test_a_language_model_task_shows_decoder_only_features(capsys):
+  tool = _load_tool()
+  lengths = {"inputs": 64, "targets": 24}  # the LM task reads targets alone
+  tool.show("cpython_lm", 1, "validation", lengths, seed=0, truncation_examples=5)
+  out = capsys.readouterr().out
+  assert "== after DecoderFeatureConverter(pack=True)" in out
+  assert "decoder_segment_ids: [1, 1" in out and "encoder_input_tokens" not in out
+
+
 def test_unknown_name_or_split_lists_the_choices():
   tool = _load_tool()
   with pytest.raises(ConfigError, match="'quickstrat' \\(closest: quickstart"):

@@ -7,7 +7,8 @@ r"""Lists registered seqio tasks/mixtures or shows a few examples at each stage.
 For a task it prints, per example: the raw record from the data source, the
 preprocessed text (the *_pretokenized features), the token ids with their
 pieces, and then the batch the model sees after
-`seqio.EncDecFeatureConverter(pack=True)`. For a mixture it first prints each
+`seqio.EncDecFeatureConverter(pack=True)` (`seqio.DecoderFeatureConverter` for a
+task with targets alone). For a mixture it first prints each
 task's sampling rate, then the mixed examples. Last, per task and feature, how
 many of the first --truncation_examples examples of the split are longer than
 --sequence_length and would be truncated. Your own task modules can be
@@ -155,13 +156,19 @@ def _show_stages(
     _print_examples(f"raw records ({name}, {split})", raw, num_examples, {})
     mixed = provider.get_dataset(lengths, split=split, shuffle=False, seed=seed)
   _print_examples("preprocessed text and tokens", mixed, num_examples, features)
-  converter = seqio.EncDecFeatureConverter(pack=True)
-  packed = converter(mixed, task_feature_lengths=lengths)
+  # A task with targets alone (the `lm` objective) feeds decoder-only models only.
+  converter_cls = seqio.EncDecFeatureConverter
+  if "inputs" not in features:
+    converter_cls = seqio.DecoderFeatureConverter
+    lengths = {"targets": lengths["targets"]}
+  packed = converter_cls(pack=True)(mixed, task_feature_lengths=lengths)
   model_features = {
     k: seqio.Feature(features["targets"].vocabulary)
     for k in ("encoder_input_tokens", "decoder_target_tokens")
+    if k in packed.element_spec
   }
-  _print_examples("after EncDecFeatureConverter(pack=True)", packed, num_examples, model_features)
+  stage = f"after {converter_cls.__name__}(pack=True)"
+  _print_examples(stage, packed, num_examples, model_features)
 
 
 def main(argv: Sequence[str]) -> None:

@@ -1,0 +1,71 @@
+"""tools/compare.py: one variant of a table through the real entry points, on tiny files."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow  # subprocess runs of the entry points
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _write_glue(data_dir: Path) -> None:
+  """Tiny SST-2 and RTE train/dev files in the GLUE layout."""
+  for task in ("SST-2", "RTE"):
+    (data_dir / "glue" / task).mkdir(parents=True)
+  sst2 = [f"review number {i} is {'good' if i % 2 else 'bad'}\t{i % 2}" for i in range(12)]
+  rte = [f"{i}\tpremise {i} .\thypothesis {i} .\tentailment" for i in range(8)]
+  for split in ("train", "dev"):
+    (data_dir / f"glue/SST-2/{split}.tsv").write_text("sentence\tlabel\n" + "\n".join(sst2) + "\n")
+    (data_dir / f"glue/RTE/{split}.tsv").write_text(
+      "index\tsentence1\tsentence2\tlabel\n" + "\n".join(rte) + "\n"
+    )
+
+
+def _compare(cwd: Path, *args: str) -> subprocess.CompletedProcess:
+  env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
+  env.pop("XLA_FLAGS", None)
+  command = [sys.executable, str(REPO / "tools/compare.py"), *args]
+  return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=900)
+
+
+def test_a_prefix_lm_row_pretrains_fine_tunes_and_resumes(tmp_path):
+  _write_glue(tmp_path / "data")
+  args = (
+    "--table=architectures",
+    "--only=prefix_lm__lm",
+    "--pretrain_steps=2",
+    "--finetune_steps=1",
+    "--batch_size=2",
+    "--data_dir=data",
+    "--output_dir=out",
+  )
+  first = _compare(tmp_path, *args)
+  assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+  table = tmp_path / "out/architectures"
+  (row,) = json.loads((table / "results.json").read_text())
+  assert row["variant"] == "prefix LM, LM" and row["task"] == "cpython_prefix_lm"
+  assert row["pretrain_validation_loss"] > 0 and row["flops_per_token"] > 0
+  assert row["params"] == 545_056  # the decoder-only tiny with the 8192-id offline vocabulary
+  assert 0 <= row["sst2_accuracy"] <= 100 and 0 <= row["rte_accuracy"] <= 100
+  for run in ("pretrain", "sst2", "rte"):
+    assert (table / f"prefix_lm__lm/{run}/metrics.jsonl").exists()
+  assert "| prefix LM, LM |" in (table / "results.md").read_text()
+  # A second run finds every run done and only rewrites the table.
+  again = _compare(tmp_path, *args)
+  assert again.returncode == 0, again.stderr[-3000:]
+  assert json.loads((table / "results.json").read_text()) == [row]
+
+
+def test_an_unknown_variant_is_one_error_line(tmp_path):
+  result = _compare(tmp_path, "--table=objectives", "--only=bert", "--output_dir=out")
+  assert result.returncode == 1
+  assert (
+    result.stderr.strip()
+    .splitlines()[-1]
+    .startswith("ERROR: --only=bert names no variant of objectives: span_corruption, ")
+  )

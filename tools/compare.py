@@ -1,0 +1,333 @@
+r"""The T5 paper's comparisons, runnable: one command per table, a Markdown table + JSON.
+
+  python tools/compare.py --table=architectures     # the paper's Table 2
+  python tools/compare.py --table=objectives        # Tables 4-5 (objectives)
+  python tools/compare.py --table=mixing            # Table 11 (mixing strategies)
+
+Each variant pre-trains the same model size for the same steps on the offline
+CPython prose (tasks `cpython_<objective>`, tasks/offline.py), every row holding the
+same 160 tokens (inputs + targets), then fine-tunes that checkpoint on SST-2 and RTE
+(tasks `local_glue_sst2`, `local_glue_rte`, read from --data_dir) and reports the
+pre-training validation loss, the downstream dev accuracies, parameters, training
+FLOPs per token (`tools/model_info.py`) and wall times. The mixing table trains on
+the `local_multitask` mixture (SST-2, RTE, Multi30k, SciTLDR) under each mixing
+strategy instead and evaluates SST-2 and RTE without fine-tuning.
+
+Every run goes through the real entry points (`python -m t5x_lite.train` / `.eval`)
+into --output_dir/<table>/<variant>/, so a stopped comparison resumes where it was
+(training resumes from its checkpoints; finished runs are not repeated) and each
+run's metrics.jsonl and config.gin stay there. After every variant the table is
+rewritten to --output_dir/<table>/results.{md,json}. A failed run stops the tool
+with one `ERROR:` line naming the run and its log file.
+
+Sizes: --model (a model size file of each architecture's family, default `tiny`),
+--pretrain_steps, --finetune_steps, --batch_size; extra --gin_bindings (or
+--gin.NAME=VALUE) apply to every run, e.g. --gin.T5Config.emb_dim=128. --only=<dirs>
+runs some rows only (their directory names under --output_dir/<table>).
+"""
+
+from t5x_lite import console  # first: quiets TensorFlow and JAX start-up
+
+import dataclasses
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+
+from absl import app, flags
+
+from t5x_lite import gin_config
+from t5x_lite.errors import ConfigError
+
+TABLES = ("architectures", "objectives", "mixing")
+_TABLE = flags.DEFINE_enum("table", None, TABLES, "Which comparison to run.", required=True)
+_OUTPUT_DIR = flags.DEFINE_string("output_dir", "./runs/compare", "Runs and tables go here.")
+_MODEL = flags.DEFINE_string("model", "tiny", "Size file of each family (tiny, small, base).")
+_PRETRAIN_STEPS = flags.DEFINE_integer("pretrain_steps", 600, "Pre-training steps per variant.")
+_FINETUNE_STEPS = flags.DEFINE_integer("finetune_steps", 200, "Fine-tuning steps per task.")
+_BATCH_SIZE = flags.DEFINE_integer("batch_size", 16, "Global batch size of every run.")
+_DATA_DIR = flags.DEFINE_string("data_dir", "../shared/data", "Where glue/SST-2 and glue/RTE are.")
+_ONLY = flags.DEFINE_list("only", [], "Run only these variants (their directory names).")
+
+# Every pre-training row holds 160 tokens, as in the quickstarts.
+SHORT_TARGETS = {"inputs": 128, "targets": 32}  # span-style targets: about 25% of the text
+LONG_TARGETS = {"inputs": 80, "targets": 80}  # the whole segment is the target
+# i.i.d. runs of corrupted tokens each need their own sentinel in the targets.
+IID_SPAN_TARGETS = {"inputs": 104, "targets": 56}
+LM_ONLY = {"targets": 160}
+DOWNSTREAM = {
+  "local_glue_sst2": {"inputs": 128, "targets": 8},
+  "local_glue_rte": {"inputs": 256, "targets": 8},
+}
+# Objectives whose targets are the whole (corrupted) segment.
+_WHOLE_SEGMENT_TARGETS = ("bert_style", "iid_denoising", "mass_style", "deshuffling")
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+  """One row of a table.
+
+  Attributes:
+    name: the row's name (and its run directory).
+    family: the gin model family: t5_1_1, decoder_only or prefix_lm.
+    task: the pre-training task or mixture.
+    lengths: its task feature lengths.
+    bindings: gin bindings of this variant's pre-training and fine-tuning runs.
+    pretrain_bindings: gin bindings of its pre-training run only.
+  """
+
+  name: str
+  family: str
+  task: str
+  lengths: dict
+  bindings: tuple[str, ...] = ()
+  pretrain_bindings: tuple[str, ...] = ()
+
+
+def _objective_lengths(objective: str) -> dict:
+  """Lengths (160 tokens in all) that truncate none of `objective`'s examples."""
+  if objective in _WHOLE_SEGMENT_TARGETS:
+    return LONG_TARGETS
+  return IID_SPAN_TARGETS if objective == "iid_replace_spans" else SHORT_TARGETS
+
+
+def variants(table: str) -> list[Variant]:
+  """The rows of `table`."""
+  if table == "architectures":
+    half = ("T5Config.num_encoder_layers = 1", "T5Config.num_decoder_layers = 1")
+    if _MODEL.value != "tiny":
+      raise ConfigError(
+        "--table=architectures halves the tiny model's 2 + 2 layers; use --model=tiny"
+      )
+    return [
+      Variant("encoder-decoder, denoising", "t5_1_1", "cpython_span_corruption", SHORT_TARGETS),
+      Variant("encoder-decoder, LM", "t5_1_1", "cpython_prefix_lm", SHORT_TARGETS),
+      Variant(
+        "encoder-decoder half depth, denoising",
+        "t5_1_1",
+        "cpython_span_corruption",
+        SHORT_TARGETS,
+        half,
+      ),
+      Variant(
+        "decoder-only LM, denoising", "decoder_only", "cpython_span_corruption", SHORT_TARGETS
+      ),
+      Variant("decoder-only LM, LM", "decoder_only", "cpython_lm", LM_ONLY),
+      Variant("prefix LM, denoising", "prefix_lm", "cpython_span_corruption", SHORT_TARGETS),
+      Variant("prefix LM, LM", "prefix_lm", "cpython_prefix_lm", SHORT_TARGETS),
+    ]
+  if table == "objectives":
+    from t5x_lite import objectives  # TensorFlow only when needed
+
+    return [
+      Variant(name, "t5_1_1", f"cpython_{name}", _objective_lengths(name))
+      for name in objectives.UNSUPERVISED_OBJECTIVES
+      if name != "lm"
+    ]
+  rates = {
+    "examples-proportional, K = 2^11": ("strategy = 'proportional'", "maximum = 2048"),
+    "temperature T = 2, K = 2^11": ("strategy = 'temperature'", "maximum = 2048"),
+    "equal": ("strategy = 'equal'",),
+  }
+  return [
+    Variant(
+      name,
+      "t5_1_1",
+      "local_multitask",
+      {"inputs": 256, "targets": 64},
+      pretrain_bindings=tuple(f"local_multitask/mixing_rate.{b}" for b in bindings),
+    )
+    for name, bindings in rates.items()
+  ]
+
+
+def _slug(name: str) -> str:
+  return "".join(c if c.isalnum() else "_" for c in name).strip("_").lower()
+
+
+class Runner:
+  """Runs the entry points for one table, logging each run next to its model dir."""
+
+  def __init__(self, table_dir: str):
+    self.table_dir = table_dir
+
+  def run(self, args: list[str], log_path: str) -> float:
+    """Runs `python <args>` unless `log_path`.done says it ran; returns its wall seconds."""
+    done = log_path + ".done"
+    if os.path.exists(done):
+      with open(done) as f:
+        return float(f.read())
+    os.makedirs(os.path.dirname(log_path), exist_ok=True)
+    start = time.perf_counter()
+    with open(log_path, "w") as log:
+      result = subprocess.run([sys.executable, *args], stdout=log, stderr=subprocess.STDOUT)
+    seconds = round(time.perf_counter() - start, 1)
+    if result.returncode:
+      raise ConfigError(
+        f"{' '.join(args[:3])} ... failed (exit {result.returncode}); see {log_path}"
+      )
+    with open(done, "w") as f:
+      f.write(str(seconds))
+    return seconds
+
+
+def _model_gin(variant: Variant) -> str:
+  return f"--gin_file=models/{variant.family}/{_MODEL.value}.gin"
+
+
+def _common(variant: Variant) -> list[str]:
+  bindings = [*flags.FLAGS.gin_bindings, *variant.bindings]
+  return [
+    "--gin_file=quickstart_base.gin",
+    f"--gin.BATCH_SIZE={_BATCH_SIZE.value}",
+    f"--data_dir={_DATA_DIR.value}",
+    *(f"--gin_bindings={b}" for b in bindings),
+  ]
+
+
+def _last(metrics_path: str, split: str, key: str) -> float | None:
+  """The last value of `key` among the `split` records of a metrics.jsonl."""
+  value = None
+  with open(metrics_path) as f:
+    for line in f:
+      record = json.loads(line)
+      if record.get("split") == split and key in record:
+        value = record[key]
+  return value
+
+
+def _model_info(variant: Variant, pretrain_dir: str) -> dict:
+  """Parameters and training FLOPs per token of the model the pre-training run saved."""
+  import jax  # the data-free part of the tool stays light to import
+
+  from t5x_lite import checkpoints, flops, models
+
+  _, step_dir = checkpoints.find_steps(pretrain_dir, verify_checksums=False)[-1]
+  config = checkpoints.model_config(step_dir)
+  shapes = jax.eval_shape(lambda: models.init_params(config, jax.random.PRNGKey(0)))
+  params = sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(shapes))
+  lengths = flops.network_lengths(
+    config, variant.lengths.get("inputs", 0), variant.lengths["targets"]
+  )
+  return {"params": params, "flops_per_token": flops.flops_per_token(config, *lengths)}
+
+
+def run_variant(runner: Runner, variant: Variant, table: str) -> dict:
+  """Pre-trains (or multi-task trains) one variant, fine-tunes or evaluates, returns its row."""
+  root = os.path.join(runner.table_dir, _slug(variant.name))
+  pretrain_dir = os.path.join(root, "pretrain")
+  steps = _PRETRAIN_STEPS.value
+  row = {"variant": variant.name, "task": variant.task, "lengths": variant.lengths}
+  row["pretrain_seconds"] = runner.run(
+    [
+      "-m",
+      "t5x_lite.train",
+      _model_gin(variant),
+      "--gin_file=runs/pretrain.gin",
+      *_common(variant),
+      *(f"--gin_bindings={b}" for b in variant.pretrain_bindings),
+      f"--gin.MODEL_DIR={pretrain_dir}",
+      f"--gin.TRAIN_STEPS={steps}",
+      f"--gin.EVAL_PERIOD={steps}",
+      f"--gin.MIXTURE_OR_TASK_NAME={variant.task}",
+      f"--gin.TASK_FEATURE_LENGTHS={variant.lengths}",
+    ],
+    os.path.join(root, "pretrain.log"),
+  )
+  row["pretrain_validation_loss"] = _last(
+    os.path.join(pretrain_dir, "metrics.jsonl"), "eval", "loss"
+  )
+  for task, lengths in DOWNSTREAM.items():
+    short = task.removeprefix("local_glue_")
+    if table == "mixing":
+      eval_dir = os.path.join(root, f"eval_{short}")
+      row[f"{short}_seconds"] = runner.run(
+        [
+          "-m",
+          "t5x_lite.eval",
+          "--gin_file=runs/eval.gin",
+          f"--data_dir={_DATA_DIR.value}",
+          f"--gin.CHECKPOINT_PATH={pretrain_dir}",
+          f"--gin.EVAL_OUTPUT_DIR={eval_dir}",
+          f"--gin.MIXTURE_OR_TASK_NAME={task}",
+          f"--gin.TASK_FEATURE_LENGTHS={lengths}",
+        ],
+        os.path.join(root, f"eval_{short}.log"),
+      )
+      with open(os.path.join(eval_dir, f"metrics_step_{steps}.json")) as f:
+        row[f"{short}_accuracy"] = json.load(f)[task]["accuracy"]
+      continue
+    model_dir = os.path.join(root, short)
+    row[f"{short}_seconds"] = runner.run(
+      [
+        "-m",
+        "t5x_lite.train",
+        _model_gin(variant),
+        "--gin_file=runs/finetune.gin",
+        *_common(variant),
+        f"--gin.MODEL_DIR={model_dir}",
+        f"--gin.INITIAL_CHECKPOINT_PATH={pretrain_dir}",
+        f"--gin.TRAIN_STEPS={_FINETUNE_STEPS.value}",
+        f"--gin.EVAL_PERIOD={_FINETUNE_STEPS.value}",
+        f"--gin.train.infer_eval_period={_FINETUNE_STEPS.value}",
+        f"--gin.MIXTURE_OR_TASK_NAME={task}",
+        f"--gin.TASK_FEATURE_LENGTHS={lengths}",
+        "--gin.optimizers.constant.value=0.01",
+      ],
+      os.path.join(root, f"{short}.log"),
+    )
+    row[f"{short}_accuracy"] = _last(
+      os.path.join(model_dir, "metrics.jsonl"), "eval", f"{task}/accuracy"
+    )
+  return {**row, **_model_info(variant, pretrain_dir)}
+
+
+def markdown(rows: Sequence[dict], table: str) -> str:
+  """The results as a Markdown table."""
+  trained = "multi-task steps" if table == "mixing" else "pre-training steps"
+  head = (
+    "| variant | task | params | train FLOPs/token | validation loss "
+    "| SST-2 acc | RTE acc | wall s |\n|---|---|---|---|---|---|---|---|\n"
+  )
+  lines = []
+  for r in rows:
+    wall = r["pretrain_seconds"] + r["sst2_seconds"] + r["rte_seconds"]
+    lines.append(
+      f"| {r['variant']} | `{r['task']}` {r['lengths']} | {r['params']:,} | "
+      f"{r['flops_per_token']:.3g} | {r['pretrain_validation_loss']:.3f} | "
+      f"{r['sst2_accuracy']:.1f} | {r['rte_accuracy']:.1f} | {wall:.0f} |"
+    )
+  note = f"\n{_PRETRAIN_STEPS.value} {trained} of {_BATCH_SIZE.value} rows, " + (
+    "then SST-2 and RTE dev accuracy of that checkpoint.\n"
+    if table == "mixing"
+    else f"then {_FINETUNE_STEPS.value} fine-tuning steps per task (dev accuracy).\n"
+  )
+  return head + "\n".join(lines) + "\n" + note
+
+
+def main(argv: Sequence[str]) -> None:
+  console.quiet_library_logs()
+  if len(argv) > 1:
+    raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+  table = _TABLE.value
+  table_dir = os.path.join(_OUTPUT_DIR.value, table)
+  runner, rows = Runner(table_dir), []
+  chosen = [v for v in variants(table) if not _ONLY.value or _slug(v.name) in _ONLY.value]
+  if not chosen:
+    names = ", ".join(_slug(v.name) for v in variants(table))
+    raise ConfigError(f"--only={','.join(_ONLY.value)} names no variant of {table}: {names}")
+  for variant in chosen:
+    print(f"[{table}] {variant.name} ...", flush=True)
+    rows.append(run_variant(runner, variant, table))
+    with open(os.path.join(table_dir, "results.json"), "w") as f:
+      json.dump(rows, f, indent=1)
+    with open(os.path.join(table_dir, "results.md"), "w") as f:
+      f.write(markdown(rows, table))
+  print(markdown(rows, table))
+
+
+if __name__ == "__main__":
+  gin_config.run_app(main)
