@@ -250,7 +250,7 @@ def run_variant(runner: Runner, variant: Variant, table: str) -> dict:
           "t5x_lite.eval",
           "--gin_file=runs/eval.gin",
           f"--data_dir={_DATA_DIR.value}",
-          f"--gin.CHECKPOINT_PATH={pretrain_dir}",
+          f"--gin.CHECKPOINT_PATH={os.path.join(pretrain_dir, str(steps))}",
           f"--gin.EVAL_OUTPUT_DIR={eval_dir}",
           f"--gin.MIXTURE_OR_TASK_NAME={task}",
           f"--gin.TASK_FEATURE_LENGTHS={lengths}",
@@ -258,7 +258,7 @@ def run_variant(runner: Runner, variant: Variant, table: str) -> dict:
         os.path.join(root, f"eval_{short}.log"),
       )
       with open(os.path.join(eval_dir, f"metrics_step_{steps}.json")) as f:
-        row[f"{short}_accuracy"] = json.load(f)[task]["accuracy"]
+        row[f"{short}_accuracy"] = json.load(f)["metrics"][task]["accuracy"]
       continue
     model_dir = os.path.join(root, short)
     row[f"{short}_seconds"] = runner.run(
