@@ -127,9 +127,10 @@ def variants(table: str) -> list[Variant]:
       for name in objectives.UNSUPERVISED_OBJECTIVES
       if name != "lm"
     ]
+  # K = 2^16 caps SST-2's 67k training examples only; the other three have 2k-29k.
   rates = {
-    "examples-proportional, K = 2^11": ("strategy = 'proportional'", "maximum = 2048"),
-    "temperature T = 2, K = 2^11": ("strategy = 'temperature'", "maximum = 2048"),
+    "examples-proportional, K = 2^16": ("strategy = 'proportional'", "maximum = 65536"),
+    "temperature T = 2, K = 2^16": ("strategy = 'temperature'", "maximum = 65536"),
     "equal": ("strategy = 'equal'",),
   }
   return [
