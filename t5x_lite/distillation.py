@@ -127,7 +127,7 @@ class DistillationModel(models.EncoderDecoderModel):
 
   def init_teacher_params(self, rng: jax.Array) -> PyTree:
     """Boxed teacher params of the right shapes and axes (restore target only)."""
-    return network.init_params(self.teacher_module.config, rng)
+    return models.init_params(self.teacher_module.config, rng)
 
   def restore_teacher(self, abstract: PyTree) -> PyTree:
     """The teacher's params from its checkpoint, sharded like `abstract`."""
@@ -195,8 +195,8 @@ def build_distillation_model(
     vocabulary: the shared vocabulary; default `vocab.get_vocabulary()`.
 
   Raises:
-    ConfigError: alpha or temperature out of range, or the teacher's vocabulary size
-      differs from the student's.
+    ConfigError: alpha or temperature out of range, a decoder-only student or
+      teacher, or the teacher's vocabulary size differs from the student's.
     CheckpointNotFoundError / CorruptCheckpointError: a bad teacher path.
   """
   if not 0.0 <= alpha <= 1.0:
@@ -206,6 +206,15 @@ def build_distillation_model(
   student = models.build_model(config, vocabulary)
   [(_, step_dir)] = checkpoints.find_steps(teacher_checkpoint_path)
   teacher = teacher_config(step_dir)
+  for role, architecture in (
+    ("student", student.module.config.architecture),
+    ("teacher", teacher.architecture),
+  ):
+    if architecture != "encoder_decoder":
+      raise ConfigError(
+        f"Distillation needs encoder-decoder models; the {role} is T5Config.architecture "
+        f"{architecture!r}."
+      )
   if teacher.vocab_size != student.module.config.vocab_size:
     raise ConfigError(
       f"The teacher {teacher_checkpoint_path} has vocab_size {teacher.vocab_size} and the "
@@ -217,7 +226,7 @@ def build_distillation_model(
     student.module,
     student.input_vocabulary,
     student.output_vocabulary,
-    teacher_module=network.Transformer(teacher),
+    teacher_module=models.network_module(teacher),
     teacher_checkpoint=step_dir,
     alpha=alpha,
     temperature=temperature,

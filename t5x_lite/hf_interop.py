@@ -28,6 +28,7 @@ import numpy as np
 import safetensors
 import safetensors.numpy
 
+from t5x_lite import shared_encoder_decoder
 from t5x_lite.errors import (
   CheckpointError,
   CheckpointNotFoundError,
@@ -258,9 +259,15 @@ def config_to_hf(config: T5Config) -> dict[str, Any]:
   its constructor) are written.
 
   Raises:
-    ConfigError: if `config.mlp_activations` has no transformers equivalent, or the
-      network has a relative position bias per layer (HF's T5 has one per stack).
+    ConfigError: if `config.mlp_activations` has no transformers equivalent, the
+      network has a relative position bias per layer (HF's T5 has one per stack), or
+      it is a decoder-only model.
   """
+  if config.architecture != "encoder_decoder":
+    raise ConfigError(
+      f"T5Config.architecture={config.architecture!r} has no transformers T5 equivalent "
+      "(T5ForConditionalGeneration is the encoder-decoder)."
+    )
   if config.relpos_bias_per_layer:
     raise ConfigError(
       "relpos_bias_per_layer=True (a relative position bias per layer) has no transformers "
@@ -455,11 +462,16 @@ def _plain_numpy(params: Any) -> Params:
 def params_to_hf_tensors(config: T5Config, params: Any) -> dict[str, np.ndarray]:
   """Converts a t5x_lite parameter tree (boxed or plain) to HF T5 tensors.
 
+  A shared encoder-decoder (`share_encoder_decoder`) is written in full: HF's decoder
+  gets its own copy of the shared weights.
+
   Raises:
     HFCheckpointError: listing missing/unexpected parameters, or every parameter whose
       shape differs from the config (with its path and both shapes).
   """
   params = _plain_numpy(params)
+  if config.share_encoder_decoder:
+    params = shared_encoder_decoder.expand(params)
   if config.scan_layers:
     params = _unstack_layers(params, config)
   flat = flax.traverse_util.flatten_dict(params)

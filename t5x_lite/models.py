@@ -23,7 +23,7 @@ import gin
 import jax
 import jax.numpy as jnp
 
-from t5x_lite import decoder_only, decoding, losses, network
+from t5x_lite import decoder_only, decoding, losses, network, shared_encoder_decoder
 from t5x_lite.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -68,7 +68,7 @@ class EncoderDecoderModel:
 
   def init_params(self, rng: jax.Array) -> PyTree:
     """Boxed initial params (`nn.LogicallyPartitioned` leaves) from one PRNG key."""
-    return network.init_params(self.module.config, rng)
+    return init_params(self.module.config, rng)
 
   def param_axes(self) -> PyTree:
     """The params' tree of logical axis names (a `PartitionSpec` of names per leaf).
@@ -336,10 +336,6 @@ class DecoderOnlyModel(EncoderDecoderModel):
   `decoder_only.DecoderOnlyTransformer`.
   """
 
-  def init_params(self, rng: jax.Array) -> PyTree:
-    """Boxed initial params (`nn.LogicallyPartitioned` leaves) from one PRNG key."""
-    return decoder_only.init_params(self.module.config, rng)
-
   def _decoding_inputs(
     self, params: PyTree, batch: Batch, num_decodes: int, max_decode_len: int | None
   ) -> tuple[jax.Array, PyTree, decoding.TokensToLogits, jax.Array]:
@@ -473,11 +469,22 @@ def _zero_after_eos(tokens: jax.Array, eos_id: int) -> jax.Array:
   return jnp.where(after_first, 0, tokens)
 
 
+def network_module(config: network.T5Config) -> nn.Module:
+  """The network of `config.architecture` (and `share_encoder_decoder`)."""
+  if config.architecture != "encoder_decoder":
+    return decoder_only.DecoderOnlyTransformer(config)
+  if config.share_encoder_decoder:
+    return shared_encoder_decoder.SharedTransformer(config)
+  return network.Transformer(config)
+
+
 def init_params(config: network.T5Config, rng: jax.Array) -> PyTree:
-  """Boxed initial params of the network of `config.architecture`."""
-  if config.architecture == "encoder_decoder":
-    return network.init_params(config, rng)
-  return decoder_only.init_params(config, rng)
+  """Boxed initial params of `network_module(config)`."""
+  if config.architecture != "encoder_decoder":
+    return decoder_only.init_params(config, rng)
+  if config.share_encoder_decoder:
+    return shared_encoder_decoder.init_params(config, rng)
+  return network.init_params(config, rng)
 
 
 @gin.configurable
@@ -486,7 +493,8 @@ def build_model(
 ) -> EncoderDecoderModel:
   """The model of `config.architecture` over its network and the configured vocabulary.
 
-  'encoder_decoder': `EncoderDecoderModel` over `network.Transformer(config)`;
+  'encoder_decoder': `EncoderDecoderModel` over `network.Transformer(config)` (or
+  `shared_encoder_decoder.SharedTransformer(config)` with `share_encoder_decoder`);
   'decoder_only' and 'prefix_lm': `DecoderOnlyModel` over
   `decoder_only.DecoderOnlyTransformer(config)`.
 
@@ -512,6 +520,5 @@ def build_model(
       f"The vocabulary has {vocabulary.vocab_size} ids but T5Config.vocab_size is "
       f"{config.vocab_size}; set T5Config.vocab_size >= {vocabulary.vocab_size}."
     )
-  if config.architecture == "encoder_decoder":
-    return EncoderDecoderModel(network.Transformer(config), vocabulary, vocabulary)
-  return DecoderOnlyModel(decoder_only.DecoderOnlyTransformer(config), vocabulary, vocabulary)
+  model_cls = EncoderDecoderModel if config.architecture == "encoder_decoder" else DecoderOnlyModel
+  return model_cls(network_module(config), vocabulary, vocabulary)

@@ -68,6 +68,10 @@ class T5Config:
       targets concatenated; 'prefix_lm', the same decoder with fully visible
       attention over the inputs (`decoder_only.DecoderOnlyTransformer` for both,
       which have no encoder: num_encoder_layers must be 0).
+    share_encoder_decoder: the encoder-decoder whose decoder layers reuse the
+      encoder layers' parameters (the paper's "encoder-decoder, shared":
+      `shared_encoder_decoder.SharedTransformer`); needs as many decoder layers as
+      encoder layers.
   """
 
   vocab_size: int
@@ -91,6 +95,7 @@ class T5Config:
   relpos_bias_per_layer: bool = False
   attention_logits_dtype: str = 'float32'
   architecture: str = 'encoder_decoder'
+  share_encoder_decoder: bool = False
 
   def __post_init__(self):
     # JSON round trips turn tuples into lists; keep the config hashable.
@@ -112,6 +117,14 @@ class T5Config:
       raise ConfigError(
         f'T5Config.num_encoder_layers must be 0 for architecture {self.architecture!r} '
         f'(no encoder), got {self.num_encoder_layers}'
+      )
+    if self.share_encoder_decoder and (
+      self.architecture != 'encoder_decoder' or self.num_encoder_layers != self.num_decoder_layers
+    ):
+      raise ConfigError(
+        'T5Config.share_encoder_decoder needs the encoder_decoder architecture with as many '
+        f'decoder as encoder layers, got {self.architecture!r} with '
+        f'{self.num_encoder_layers} + {self.num_decoder_layers} layers'
       )
     if self.adapter_dim < 0:
       raise ConfigError(

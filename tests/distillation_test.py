@@ -248,6 +248,15 @@ def test_bad_teacher_or_settings_are_one_line_errors(tmp_path):
       distillation.build_distillation_model(**kwargs, **build)
     lines = [line for line in str(e.value).splitlines() if "In call to configurable" not in line]
     assert len(lines) == 1, str(e.value)  # gin's note is dropped by `errors.fail`
+  decoder_only = tiny_checkpoint_config(
+    vocab_size=384, architecture="decoder_only", num_encoder_layers=0
+  )
+  with pytest.raises(
+    errors.ConfigError, match="the student is T5Config.architecture 'decoder_only'"
+  ):
+    distillation.build_distillation_model(
+      teacher_checkpoint_path=str(tmp_path / "teacher"), config=decoder_only, vocabulary=VOCAB
+    )
 
 
 def test_distill_gin_binds_the_model_and_its_macros():

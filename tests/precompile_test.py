@@ -140,12 +140,18 @@ def test_tiny_config_fits_a_small_slice():
 
 
 @needs_libtpu
-@pytest.mark.parametrize("quickstart", ["quickstart_decoder_only.gin", "quickstart_prefix_lm.gin"])
-def test_decoder_only_models_precompile_for_a_v5e_slice(quickstart):
-  result = _precompile("v5e:2x2", f"--gin_file={quickstart}", "--gin.BATCH_SIZE=8")
+@pytest.mark.parametrize(
+  "args",
+  [
+    ("--gin_file=quickstart_decoder_only.gin",),
+    ("--gin_file=quickstart_prefix_lm.gin",),
+    ("--gin_file=quickstart.gin", "--gin_bindings=T5Config.share_encoder_decoder = True"),
+  ],
+)
+def test_every_architecture_precompiles_for_a_v5e_slice(args):
+  result = _precompile("v5e:2x2", *args, "--gin.BATCH_SIZE=8")
   assert result.returncode == 0, result.stderr[-4000:]
   assert result.stdout.strip().endswith("FITS")
-  # inputs + targets in one decoder sequence: 160 tokens per row
   assert re.search(r"model matmuls \S+ ", result.stdout)
 
 

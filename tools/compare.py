@@ -102,16 +102,15 @@ def variants(table: str) -> list[Variant]:
       raise ConfigError(
         "--table=architectures halves the tiny model's 2 + 2 layers; use --model=tiny"
       )
-    return [
-      Variant("encoder-decoder, denoising", "t5_1_1", "cpython_span_corruption", SHORT_TARGETS),
-      Variant("encoder-decoder, LM", "t5_1_1", "cpython_prefix_lm", SHORT_TARGETS),
-      Variant(
-        "encoder-decoder half depth, denoising",
-        "t5_1_1",
-        "cpython_span_corruption",
-        SHORT_TARGETS,
-        half,
-      ),
+    shared = ("T5Config.share_encoder_decoder = True",)
+    rows = []
+    for objective, task in (("denoising", "cpython_span_corruption"), ("LM", "cpython_prefix_lm")):
+      rows += [
+        Variant(f"encoder-decoder, {objective}", "t5_1_1", task, SHORT_TARGETS),
+        Variant(f"encoder-decoder shared, {objective}", "t5_1_1", task, SHORT_TARGETS, shared),
+        Variant(f"encoder-decoder half depth, {objective}", "t5_1_1", task, SHORT_TARGETS, half),
+      ]
+    return rows + [
       Variant(
         "decoder-only LM, denoising", "decoder_only", "cpython_span_corruption", SHORT_TARGETS
       ),

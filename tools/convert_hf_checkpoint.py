@@ -35,7 +35,7 @@ from collections.abc import Sequence
 
 from absl import app, flags
 
-from t5x_lite import checkpoints, gin_config, hf_interop, network, partitioning
+from t5x_lite import checkpoints, gin_config, hf_interop, models, partitioning
 from t5x_lite.errors import ConfigError
 from t5x_lite.paths import absolute_path, not_a_directory
 
@@ -84,8 +84,9 @@ def orbax_to_hf(checkpoint_dir: str, output_dir: str, step: int | None) -> None:
     raise ConfigError(problem)
   [(_, step_dir)] = checkpoints.find_steps(checkpoint_dir, step="newest" if step is None else step)
   config = checkpoints.model_config(step_dir)
+  hf_interop.config_to_hf(config)  # raises for a network HF has no equivalent of
   abstract, _ = partitioning.Partitioner().abstract_params(
-    functools.partial(network.init_params, config)
+    functools.partial(models.init_params, config)
   )
   # find_steps verified the files already.
   params = checkpoints.restore_params(step_dir, abstract, verify_checksums=False)

@@ -123,6 +123,12 @@ def to_t5x(checkpoint_dir: str, output_dir: str, step: int | None, optimizer_sta
     checkpoint_dir, step="newest" if step is None else step
   )
   config = checkpoints.model_config(step_dir)
+  if config.architecture != "encoder_decoder" or config.share_encoder_decoder:
+    raise ConfigError(
+      f"{step_dir} holds a {config.architecture} model"
+      f"{' with shared encoder-decoder layers' if config.share_encoder_decoder else ''}; "
+      "the T5X conversion covers T5's plain encoder-decoder only"
+    )
   if config.scan_layers:
     raise ConfigError(
       f"{step_dir} holds scanned layers; T5X's unscanned layout needs an unscanned checkpoint "
