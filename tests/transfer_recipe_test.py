@@ -66,9 +66,20 @@ def _write_corpus(data_dir: Path) -> None:
     f"{i}\t{a}\t{b}\tentailment"
     for i, (a, b) in enumerate(zip(_sentences("premise", 20), _sentences("hypothesis", 20)))
   ]
-  (data_dir / "glue/RTE/train.tsv").write_text(
-    "index\tsentence1\tsentence2\tlabel\n" + "\n".join(rte) + "\n"
-  )
+  for name in ("train.tsv", "dev.tsv"):
+    (data_dir / f"glue/RTE/{name}").write_text(
+      "index\tsentence1\tsentence2\tlabel\n" + "\n".join(rte) + "\n"
+    )
+
+
+def _write_evaluation_splits(data_dir: Path) -> None:
+  """The validation files the multi-task recipe decodes (the corpus test reads none)."""
+  for language, lines in (("en", _sentences("caption", 5)), ("de", ["satz ."] * 5)):
+    with gzip.open(data_dir / f"multi30k_en_de/val.{language}.gz", "wt") as f:
+      f.write("\n".join(lines) + "\n")
+  with open(data_dir / "scitldr_a/dev.jsonl", "w") as f:
+    for i, s in enumerate(_sentences("abstract", 5)):
+      f.write(json.dumps({"source": [s], "target": [f"tldr summary {i}"]}) + "\n")
 
 
 def test_corpus_holds_input_side_text_only_in_disjoint_splits(tmp_path):
@@ -110,6 +121,9 @@ PRETRAIN_COMMAND = (
   "python -m t5x_lite.train --gin_file=transfer/pretrain.gin --data_dir=../shared/data"
 )
 SST2_COMMAND = "python -m t5x_lite.train --gin_file=transfer/sst2.gin --data_dir=../shared/data"
+MULTITASK_COMMAND = (
+  "python -m t5x_lite.train --gin_file=transfer/multitask.gin --data_dir=../shared/data"
+)
 # A vocabulary the tiny files can fill, and a tiny model (the same for both runs).
 _TINY_VOCAB = "--vocab_size=150"
 _TINY_MODEL = (
@@ -144,13 +158,14 @@ def _params(model_dir: Path):
 def test_readme_gives_the_commands_this_test_runs():
   section = (REPO / "README.md").read_text().split("## Pre-training transfers", 1)[1]
   section = section.split("\n## ", 1)[0]
-  for command in (VOCAB_COMMAND, PRETRAIN_COMMAND, SST2_COMMAND):
+  for command in (VOCAB_COMMAND, PRETRAIN_COMMAND, SST2_COMMAND, MULTITASK_COMMAND):
     assert command in " ".join(section.replace("\\\n", " ").split()), command
 
 
 @pytest.mark.slow
 def test_recipe_pretrains_then_finetunes_from_every_pretrained_parameter(tmp_path):
   _write_corpus(tmp_path / "shared" / "data")
+  _write_evaluation_splits(tmp_path / "shared" / "data")
   work = tmp_path / "t5x_lite"
   (work / "runs").mkdir(parents=True)  # what the quickstart leaves
   (work / "tools").symlink_to(REPO / "tools")
@@ -166,3 +181,14 @@ def test_recipe_pretrains_then_finetunes_from_every_pretrained_parameter(tmp_pat
   jax.tree.map(np.testing.assert_array_equal, finetuned, pretrained)
   records = [json.loads(line) for line in open(work / "runs/transfer/sst2/metrics.jsonl")]
   assert any("local_glue_sst2/accuracy" in r for r in records), records
+  # Multi-task training starts from the same checkpoint, samples all four tasks and
+  # decodes each one's validation split with its own metric.
+  output = _run(MULTITASK_COMMAND + _TINY_MODEL + " --gin.TRAIN_STEPS=1", work)
+  assert "Fine-tuning from ./runs/transfer/pretrained (params)" in output
+  [final] = [
+    r
+    for r in map(json.loads, open(work / "runs/transfer/multitask/metrics.jsonl"))
+    if "local_glue_rte/accuracy" in r
+  ]
+  for key in ("local_glue_sst2/accuracy", "local_multi30k_ende/bleu", "local_scitldr_a/rouge1"):
+    assert key in final, final
