@@ -397,6 +397,12 @@ def combine_masks(*masks: Array | None) -> Array | None:
   return mask
 
 
+def prompt_end(prompt: Array) -> Array:
+  """[batch] int32 position of the last nonzero token of each decoder prompt row
+  [batch, length] (0 for a row of padding only: column 0 is the BOS)."""
+  return jnp.max(jnp.arange(prompt.shape[1]) * (prompt > 0), axis=1).astype(jnp.int32)
+
+
 def mask_to_bias(mask: Array) -> Array:
   """Boolean mask -> float32 additive bias (0 where visible, MASK_BIAS where masked)."""
   return jnp.where(mask, 0.0, MASK_BIAS).astype(jnp.float32)

@@ -23,7 +23,7 @@ import gin
 import jax
 import jax.numpy as jnp
 
-from t5x_lite import decoder_only, decoding, losses, network, shared_encoder_decoder
+from t5x_lite import decoder_only, decoding, layers, losses, network, shared_encoder_decoder
 from t5x_lite.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -184,7 +184,12 @@ class EncoderDecoderModel:
   # ------------------------------------------------------------ prediction
 
   def _decoding_inputs(
-    self, params: PyTree, batch: Batch, num_decodes: int, max_decode_len: int | None
+    self,
+    params: PyTree,
+    batch: Batch,
+    num_decodes: int,
+    max_decode_len: int | None,
+    min_decode_len: int,
   ) -> tuple[jax.Array, PyTree, decoding.TokensToLogits, jax.Array | int]:
     """Encodes once, expands to batch * num_decodes rows, initialises the cache.
 
@@ -192,6 +197,7 @@ class EncoderDecoderModel:
       (decoder prompt [batch, max_len] of zeros, cache, tokens_to_logits, initial
       step 0) for `t5x_lite.decoding`.
     """
+    del min_decode_len  # the decoding loop enforces it
     max_len = max_decode_len or batch["decoder_input_tokens"].shape[1]
     inputs = batch["encoder_input_tokens"]
     encoded = self.module.apply(
@@ -231,9 +237,11 @@ class EncoderDecoderModel:
     prompt = jnp.zeros((batch["encoder_input_tokens"].shape[0], max_len), jnp.int32)
     return prompt, cache, tokens_to_logits, 0
 
-  def _generated(self, tokens: jax.Array, prompt: jax.Array) -> jax.Array:
+  def _generated(
+    self, tokens: jax.Array, prompt: jax.Array, max_decode_len: int | None
+  ) -> jax.Array:
     """The generated part of decoded tokens [batch, decodes, len] (here: all of it)."""
-    del prompt
+    del prompt, max_decode_len  # the decoding buffer is max_decode_len wide already
     return tokens
 
   def predict_batch_with_aux(
@@ -275,7 +283,7 @@ class EncoderDecoderModel:
     max_len = decoder_params.pop("max_decode_len", None)
     min_len = decoder_params.pop("min_decode_len", 0)
     prompt, cache, tokens_to_logits, initial_step = self._decoding_inputs(
-      params, batch, num_decodes, max_len
+      params, batch, num_decodes, max_len, min_len
     )
     eos_id = self.output_vocabulary.eos_id
     if decode_fn == "beam":
@@ -304,7 +312,7 @@ class EncoderDecoderModel:
         initial_step=initial_step,
         **sampling,
       )
-    tokens = _zero_after_eos(self._generated(tokens, prompt), eos_id)
+    tokens = _zero_after_eos(self._generated(tokens, prompt, max_len), eos_id)
     if return_all_decodes:
       return tokens, {"scores": scores}
     return tokens[:, 0], {"scores": scores[:, 0]}
@@ -337,18 +345,26 @@ class DecoderOnlyModel(EncoderDecoderModel):
   """
 
   def _decoding_inputs(
-    self, params: PyTree, batch: Batch, num_decodes: int, max_decode_len: int | None
+    self,
+    params: PyTree,
+    batch: Batch,
+    num_decodes: int,
+    max_decode_len: int | None,
+    min_decode_len: int,
   ) -> tuple[jax.Array, PyTree, decoding.TokensToLogits, jax.Array]:
     """Prompt, prefilled cache, step function and first step for `t5x_lite.decoding`.
 
     The decoding buffer is as wide as `decoder_input_tokens`, plus `max_decode_len`
     if given (then the output is cut to that many tokens). Decoding starts at the
     shortest prompt's end: before it every row only replays its prefilled prompt.
+    `min_decode_len` is refused: the loop would count the prompt's tokens.
 
     Returns:
       (prompt [batch, max_len]: BOS then the inputs, zeros after; cache with
       batch * num_decodes rows; tokens_to_logits; the 0-d initial step).
     """
+    if min_decode_len:
+      raise ValueError("min_decode_len is not supported by decoder-only models.")
     tokens = batch["decoder_input_tokens"]  # [batch, length]
     prefix = batch.get("decoder_causal_attention")
     prompt = tokens * prefix if prefix is not None else jnp.zeros_like(tokens)
@@ -376,50 +392,20 @@ class DecoderOnlyModel(EncoderDecoderModel):
       logits, new_cache = decode({"params": params, "cache": step_cache}, ids)  # [rows, 1, vocab]
       return logits[:, 0, :].astype(jnp.float32), new_cache  # [rows, vocab]
 
-    return prompt, cache, tokens_to_logits, jnp.min(_prompt_lengths(prompt))
+    return prompt, cache, tokens_to_logits, jnp.min(layers.prompt_end(prompt))
 
-  def _generated(self, tokens: jax.Array, prompt: jax.Array) -> jax.Array:
-    """Cuts each row's prompt off decoded tokens [batch, decodes, len] (zeros after)."""
+  def _generated(
+    self, tokens: jax.Array, prompt: jax.Array, max_decode_len: int | None
+  ) -> jax.Array:
+    """Cuts each row's prompt off decoded tokens [batch, decodes, len] (zeros after),
+    and the continuation to `max_decode_len` tokens if given."""
     width = tokens.shape[-1]
-    prompt_length = _prompt_lengths(prompt)  # [batch]
+    prompt_length = layers.prompt_end(prompt)  # [batch]
     source = jnp.arange(width)[None, :] + prompt_length[:, None]  # [batch, len]
     source = jnp.broadcast_to(source[:, None, :], tokens.shape)  # [batch, decodes, len]
     shifted = jnp.take_along_axis(tokens, jnp.minimum(source, width - 1), axis=-1)
-    return jnp.where(source < width, shifted, 0)
-
-  def predict_batch_with_aux(
-    self,
-    params: PyTree,
-    batch: Batch,
-    rng: jax.Array | None = None,
-    *,
-    decoder_params: Mapping[str, Any] | None = None,
-    return_all_decodes: bool = False,
-    num_decodes: int = 1,
-    decode_fn: str = "greedy",
-  ) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """`EncoderDecoderModel.predict_batch_with_aux` continuing each row's prompt.
-
-    Same arguments and outputs; tokens hold only the generated continuation (with
-    `max_decode_len` set, at most that many). `min_decode_len` is not supported.
-
-    Raises:
-      ValueError: for min_decode_len > 0, or as `EncoderDecoderModel`.
-    """
-    decoder_params = dict(decoder_params or {})
-    if decoder_params.get("min_decode_len"):
-      raise ValueError("min_decode_len is not supported by decoder-only models.")
-    tokens, aux = super().predict_batch_with_aux(
-      params,
-      batch,
-      rng,
-      decoder_params=decoder_params,
-      return_all_decodes=return_all_decodes,
-      num_decodes=num_decodes,
-      decode_fn=decode_fn,
-    )
-    max_decode_len = decoder_params.get("max_decode_len")
-    return (tokens[..., :max_decode_len] if max_decode_len else tokens), aux
+    generated = jnp.where(source < width, shifted, 0)
+    return generated[..., :max_decode_len] if max_decode_len else generated
 
 
 def teacher_forced_logits(
@@ -455,11 +441,6 @@ def teacher_forced_logits(
     enable_dropout=dropout_rng is not None,
     rngs=rngs,
   )
-
-
-def _prompt_lengths(prompt: jax.Array) -> jax.Array:
-  """[batch] forced tokens of each decoder prompt row [batch, len] (column 0 is the BOS)."""
-  return jnp.max(jnp.arange(prompt.shape[1]) * (prompt > 0), axis=1)
 
 
 def _zero_after_eos(tokens: jax.Array, eos_id: int) -> jax.Array:

@@ -501,9 +501,7 @@ class Decoder(nn.Module):
     if prefill:
       if prefill_length is None or not initialized:
         raise ValueError('prefill needs a decoder-only model whose cache was created.')
-      # [batch]: the prompt ends at the last nonzero token (column 0 is the BOS)
-      nonzero = jnp.arange(decoder_input_tokens.shape[1]) * (decoder_input_tokens > 0)
-      prefill_length.value = jnp.max(nonzero, axis=1).astype(jnp.int32) + 1
+      prefill_length.value = layers.prompt_end(decoder_input_tokens) + 1  # [batch]
       cache_index.value = jnp.min(prefill_length.value) - 1
       return None, None
     if not initialized:
