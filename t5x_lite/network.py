@@ -1,12 +1,12 @@
 """The T5 encoder-decoder network (T5 1.0 and 1.1) as Flax linen modules.
 
 Math only: no jit, no mesh, no optimizer. Pre-norm residual blocks with T5's
-RMSNorm, unscaled attention with one relative position bias table per stack, a
-final norm per stack, dropout where T5 applies it (after the embedding, after each
-sublayer before the residual add, after the final norm). Optional rematerialisation
-(`remat_policy`) and layer scanning (`scan_layers`, params stacked on a leading
-'layers' axis). Optional adapter layers (`adapter_dim`, T5 paper section 3.5.1)
-after every feed-forward sublayer.
+RMSNorm (`t5x_lite.blocks`), unscaled attention with one relative position bias table
+per stack, a final norm per stack, dropout where T5 applies it (after the embedding,
+after each sublayer before the residual add, after the final norm). Optional
+rematerialisation (`remat_policy`) and layer scanning (`scan_layers`, params stacked
+on a leading 'layers' axis). Optional adapter layers (`adapter_dim`, T5 paper section
+3.5.1) after every feed-forward sublayer.
 """
 
 import dataclasses
@@ -18,7 +18,7 @@ from flax import traverse_util
 import jax
 import jax.numpy as jnp
 
-from t5x_lite import layers
+from t5x_lite import blocks, layers
 from t5x_lite.errors import ConfigError
 
 Array = jax.Array
@@ -146,205 +146,10 @@ class T5Config:
     """The jnp dtype of parameters."""
     return _DTYPES[self.param_dtype]
 
-
-def _norm(cfg: T5Config, name: str) -> layers.RMSNorm:
-  return layers.RMSNorm(
-    cfg.layer_norm_epsilon, cfg.activation_dtype, cfg.parameter_dtype, name=name
-  )
-
-
-def _attention(cfg: T5Config, name: str, cross: bool = False) -> layers.MultiHeadAttention:
-  return layers.MultiHeadAttention(
-    cfg.num_heads,
-    cfg.head_dim,
-    cfg.dropout_rate,
-    cross,
-    cfg.activation_dtype,
-    cfg.parameter_dtype,
-    _DTYPES[cfg.attention_logits_dtype],
-    name=name,
-  )
-
-
-def _mlp(cfg: T5Config) -> layers.MlpBlock:
-  return layers.MlpBlock(
-    cfg.mlp_dim,
-    cfg.mlp_activations,
-    cfg.dropout_rate,
-    cfg.activation_dtype,
-    cfg.parameter_dtype,
-    name='mlp',
-  )
-
-
-def _residual(cfg: T5Config, y: Array, x: Array, deterministic: bool) -> Array:
-  """dropout(y) + x, constrained to ('batch', 'length', 'embed')."""
-  y = nn.Dropout(rate=cfg.dropout_rate, broadcast_dims=(-2,))(y, deterministic=deterministic)
-  return nn.with_logical_constraint(y + x, ('batch', 'length', 'embed'))
-
-
-def _feed_forward(cfg: T5Config, x: Array, deterministic: bool) -> Array:
-  """The pre-norm MLP sublayer with its residual, then the adapter when configured.
-
-  x [batch, length, embed] -> same.
-  """
-  y = _norm(cfg, 'pre_mlp_layer_norm')(x)
-  y = _mlp(cfg)(y, deterministic)
-  x = _residual(cfg, y, x, deterministic)
-  if cfg.adapter_dim:
-    x = layers.Adapter(cfg.adapter_dim, cfg.activation_dtype, cfg.parameter_dtype, name='adapter')(
-      x
-    )
-    x = nn.with_logical_constraint(x, ('batch', 'length', 'embed'))
-  return x
-
-
-class EncoderLayer(nn.Module):
-  """Pre-norm self-attention + MLP block (+ adapter).
-
-  Attributes:
-    config: the network config.
-    deterministic: disables dropout.
-  """
-
-  config: T5Config
-  deterministic: bool = True
-
-  @nn.compact
-  def __call__(self, x: Array, mask_bias: Array, position_bias: Array) -> Any:
-    """x [batch, length, embed] -> same; returns (x, None) when scanned."""
-    cfg = self.config
-    position_bias = _layer_position_bias(cfg, position_bias, bidirectional=True)
-    y = _norm(cfg, 'pre_attention_layer_norm')(x)
-    y = _attention(cfg, 'attention')(
-      y, y, mask_bias, position_bias, deterministic=self.deterministic
-    )
-    x = _residual(cfg, y, x, self.deterministic)
-    x = _feed_forward(cfg, x, self.deterministic)
-    return (x, None) if cfg.scan_layers else x
-
-
-class DecoderLayer(nn.Module):
-  """Pre-norm causal self-attention + cross-attention + MLP block (+ adapter).
-
-  Attributes:
-    config: the network config.
-    deterministic: disables dropout.
-    decode: use/initialise the single-step decoding caches.
-    cache_length: self-attention cache length when initialising the cache.
-  """
-
-  config: T5Config
-  deterministic: bool = True
-  decode: bool = False
-  cache_length: int | None = None
-
-  @nn.compact
-  def __call__(
-    self,
-    x: Array,
-    encoded: Array,
-    self_mask_bias: Array | None,
-    position_bias: Array,
-    cross_mask_bias: Array | None,
-    decode_position: Array | None,
-    prefilled: Array | None = None,
-  ) -> Any:
-    """x [batch, target_len, embed] -> same; returns (x, None) when scanned.
-
-    Without `encoded` (decoder-only models) the layer has no cross-attention.
-    `prefilled` [batch]: see `layers.MultiHeadAttention`.
-    """
-    cfg = self.config
-    position_bias = _layer_position_bias(cfg, position_bias, bidirectional=False)
-    kwargs = dict(
-      deterministic=self.deterministic, decode=self.decode, decode_position=decode_position
-    )
-    y = _norm(cfg, 'pre_self_attention_layer_norm')(x)
-    y = _attention(cfg, 'self_attention')(
-      y,
-      y,
-      self_mask_bias,
-      position_bias,
-      cache_length=self.cache_length,
-      prefilled=prefilled,
-      **kwargs,
-    )
-    x = _residual(cfg, y, x, self.deterministic)
-    if encoded is not None:
-      y = _norm(cfg, 'pre_cross_attention_layer_norm')(x)
-      y = _attention(cfg, 'encoder_decoder_attention', cross=True)(
-        y, encoded, cross_mask_bias, **kwargs
-      )
-      x = _residual(cfg, y, x, self.deterministic)
-    x = _feed_forward(cfg, x, self.deterministic)
-    return (x, None) if cfg.scan_layers else x
-
-
-def _apply_layers(
-  cfg: T5Config,
-  layer_cls: type[nn.Module],
-  num_layers: int,
-  x: Array,
-  *args: Any,
-  **layer_kwargs: Any,
-) -> Array:
-  """Runs num_layers layers (plain loop or nn.scan), rematerialised per cfg.remat_policy.
-
-  Must be called inside a compact method: layers are named `layers_{i}`, or `layers`
-  when scanned (params stacked on a leading 'layers' axis, caches on axis 1 so
-  batch stays leading).
-  """
-  if cfg.remat_policy != 'none':
-    policy = (
-      jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims
-      if cfg.remat_policy == 'minimal'
-      else None
-    )
-    layer_cls = nn.remat(layer_cls, prevent_cse=not cfg.scan_layers, policy=policy)
-  if cfg.scan_layers:
-    scanned = nn.scan(
-      layer_cls,
-      variable_axes={'params': 0, 'cache': 1},
-      split_rngs={'params': True, 'dropout': True},
-      in_axes=(nn.broadcast,) * len(args),
-      length=num_layers,
-      metadata_params={nn.PARTITION_NAME: 'layers'},
-    )
-    x, _ = scanned(cfg, name='layers', **layer_kwargs)(x, *args)
-    return x
-  for i in range(num_layers):
-    x = layer_cls(cfg, name=f'layers_{i}', **layer_kwargs)(x, *args)
-  return x
-
-
-def _layer_position_bias(cfg: T5Config, position_bias: Array, bidirectional: bool) -> Array:
-  """A layer's relative position bias [1, heads, q, k].
-
-  `position_bias` is the stack's bias, or with `relpos_bias_per_layer` the relative
-  positions [1, q, k] that this layer's own table turns into one.
-  """
-  if not cfg.relpos_bias_per_layer:
-    return position_bias
-  return _relpos(cfg)(position_bias, bidirectional=bidirectional)
-
-
-def _stack_position_bias(cfg: T5Config, relative: Array, bidirectional: bool) -> Array:
-  """What a stack passes its layers: the bias of its table, or (per-layer tables) `relative`."""
-  if cfg.relpos_bias_per_layer:
-    return relative
-  return _relpos(cfg)(relative, bidirectional=bidirectional)
-
-
-def _relpos(cfg: T5Config) -> layers.RelativePositionBiases:
-  return layers.RelativePositionBiases(
-    cfg.relative_attention_num_buckets,
-    cfg.relative_attention_max_distance,
-    cfg.num_heads,
-    jnp.float32,
-    cfg.parameter_dtype,
-    name='relpos_bias',
-  )
+  @property
+  def attention_logits_jnp_dtype(self) -> Any:
+    """The jnp dtype of attention logits and softmax."""
+    return _DTYPES[self.attention_logits_dtype]
 
 
 def _segment_mask(query_segments: Array | None, key_segments: Array | None) -> Array | None:
@@ -388,20 +193,20 @@ class Encoder(nn.Module):
     )
     relative = layers.relative_positions(length, length)  # [1, q, k]
     # [1, heads, q, k] (per-layer tables: the relative positions [1, q, k])
-    position_bias = _stack_position_bias(cfg, relative, bidirectional=True)
+    position_bias = blocks.stack_position_bias(cfg, relative, bidirectional=True)
     x = self.shared_embedding(encoder_input_tokens)  # [batch, input_len, embed]
     x = nn.Dropout(rate=cfg.dropout_rate, broadcast_dims=(-2,))(x, deterministic=deterministic)
     x = nn.with_logical_constraint(x, ('batch', 'length', 'embed'))
-    x = _apply_layers(
+    x = blocks.apply_layers(
       cfg,
-      EncoderLayer,
+      blocks.EncoderLayer,
       cfg.num_encoder_layers,
       x,
       layers.mask_to_bias(mask),
       position_bias,
       deterministic=deterministic,
     )
-    x = _norm(cfg, 'encoder_norm')(x)
+    x = blocks.norm(cfg, 'encoder_norm')(x)
     x = nn.Dropout(rate=cfg.dropout_rate, broadcast_dims=(-2,))(x, deterministic=deterministic)
     return nn.with_logical_constraint(x, ('batch', 'length', 'embed'))
 
@@ -458,7 +263,7 @@ class Decoder(nn.Module):
       )
       cross_mask_bias = layers.mask_to_bias(cross_mask)
     relative = layers.relative_positions(length, length)
-    position_bias = _stack_position_bias(self.config, relative, bidirectional=False)
+    position_bias = blocks.stack_position_bias(self.config, relative, bidirectional=False)
     return layers.mask_to_bias(self_mask), position_bias, cross_mask_bias
 
   def _logits(self, x: Array) -> Array:
@@ -556,7 +361,7 @@ class Decoder(nn.Module):
       self_mask_bias = None  # the attention masks keys after decode_position itself
       distance = jnp.arange(cfg.relative_attention_max_distance + 1, dtype=jnp.int32)  # [D]
       # [1, heads, 1, D] (per-layer tables: the distances [1, 1, D])
-      position_bias = _stack_position_bias(cfg, -distance[None, None, :], bidirectional=False)
+      position_bias = blocks.stack_position_bias(cfg, -distance[None, None, :], bidirectional=False)
       cross_mask_bias = None
       if encoder_input_tokens is not None:
         query_valid = jnp.ones(decoder_input_tokens.shape, jnp.bool_)  # [batch, 1]
@@ -566,9 +371,9 @@ class Decoder(nn.Module):
     x = self.shared_embedding(decoder_input_tokens)  # [batch, target_len, embed]
     x = nn.Dropout(rate=cfg.dropout_rate, broadcast_dims=(-2,))(x, deterministic=deterministic)
     x = nn.with_logical_constraint(x, ('batch', 'length', 'embed'))
-    x = _apply_layers(
+    x = blocks.apply_layers(
       cfg,
-      DecoderLayer,
+      blocks.DecoderLayer,
       cfg.num_decoder_layers,
       x,
       encoded,
@@ -581,7 +386,7 @@ class Decoder(nn.Module):
       decode=decode,
       cache_length=max_decode_length if decode else None,
     )
-    x = _norm(cfg, 'decoder_norm')(x)
+    x = blocks.norm(cfg, 'decoder_norm')(x)
     x = nn.Dropout(rate=cfg.dropout_rate, broadcast_dims=(-2,))(x, deterministic=deterministic)
     return self._logits(x)
 

@@ -25,11 +25,25 @@ def _layers() -> list[list[str]]:
   return layers
 
 
+def _type_checking_imports(tree: ast.Module) -> set[ast.AST]:
+  """Import nodes under `if TYPE_CHECKING:`: annotations only, never run."""
+  return {
+    node
+    for block in ast.walk(tree)
+    if isinstance(block, ast.If) and ast.unparse(block.test) == "TYPE_CHECKING"
+    for statement in block.body
+    for node in ast.walk(statement)
+  }
+
+
 def _imports(module: str) -> set[str]:
-  """Package modules that `t5x_lite/<module>.py` imports."""
+  """Package modules that `t5x_lite/<module>.py` imports when it runs."""
   tree = ast.parse((PACKAGE / f"{module}.py").read_text(encoding="utf-8"))
   found = set()
+  typing_only = _type_checking_imports(tree)
   for node in ast.walk(tree):
+    if node in typing_only:
+      continue
     if isinstance(node, ast.ImportFrom) and node.module == "t5x_lite":
       found |= {alias.name for alias in node.names}
     elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("t5x_lite."):
