@@ -61,7 +61,7 @@ SKIPPED = (
   ("Run on a TPU pod or GPU cluster", "needs a TPU slice or a GPU cluster"),
   (
     "tools/compare.py",
-    "trains 3 to 8 variants for an hour per table; tests/compare_test.py runs one row tiny",
+    "trains 3 to 10 variants for an hour per table; tests/compare_test.py runs one row tiny",
   ),
 )
 _COMMAND_WORDS = ("python", "printf", "pip")
