@@ -16,12 +16,10 @@ from t5x_lite import (
   flops,
   infer_lib,
   models,
-  optimizers,
   partitioning,
-  trainer,
 )
 from t5x_lite.errors import ConfigError
-from tiny_models import tiny_config
+from tiny_models import tiny_config, train_losses
 
 VOCAB = 64
 LENGTH = 12
@@ -215,22 +213,10 @@ def test_loss_counts_targets_only_and_metrics_count_the_inputs():
   assert float(loss) > 0
 
 
-def _sharded_losses(partitioner, steps: int = 3) -> list[float]:
-  model = tiny_model("prefix_lm")
-  optimizer = optimizers.adafactor(learning_rate=0.05)
-  state, shardings = trainer.init_train_state(model, optimizer, jax.random.PRNGKey(0), partitioner)
-  step = trainer.make_train_step(model, optimizer, partitioner, shardings, 1)
-  batch = prefix_lm_batch((4, 4, 2, 3, 1, 5, 4, 2), seed=3)
-  losses = []
-  for _ in range(steps):
-    state, metrics = step(state, batch, jax.random.PRNGKey(1))
-    losses.append(float(metrics["loss"]))
-  return losses
-
-
 def test_sharded_decoder_only_training_equals_single_device():
-  reference = _sharded_losses(partitioning.Partitioner(devices=jax.devices()[:1]))
-  sharded = _sharded_losses(partitioning.Partitioner(num_partitions=2, fsdp=True))
+  model, batch = tiny_model("prefix_lm"), prefix_lm_batch((4, 4, 2, 3, 1, 5, 4, 2), seed=3)
+  reference = train_losses(model, batch, partitioning.Partitioner(devices=jax.devices()[:1]))
+  sharded = train_losses(model, batch, partitioning.Partitioner(num_partitions=2, fsdp=True))
   np.testing.assert_allclose(sharded, reference, rtol=1e-4)
   assert reference[-1] < reference[0]
 

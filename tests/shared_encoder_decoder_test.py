@@ -12,13 +12,11 @@ from t5x_lite import (
   hf_interop,
   models,
   network,
-  optimizers,
   partitioning,
   shared_encoder_decoder,
-  trainer,
 )
 from t5x_lite.errors import ConfigError
-from tiny_models import tiny_config
+from tiny_models import tiny_config, train_losses
 
 VOCAB = 64
 
@@ -127,22 +125,10 @@ def test_cached_decoding_equals_the_plain_transformers(decode_fn):
   np.testing.assert_allclose(aux["scores"], reference_aux["scores"], rtol=1e-6)
 
 
-def _losses(partitioner, steps: int = 3) -> list[float]:
-  model = shared_model()
-  optimizer = optimizers.adafactor(learning_rate=0.05)
-  state, shardings = trainer.init_train_state(model, optimizer, jax.random.PRNGKey(0), partitioner)
-  step = trainer.make_train_step(model, optimizer, partitioner, shardings, 1)
-  batch = enc_dec_batch(rows=8, seed=3)
-  losses = []
-  for _ in range(steps):
-    state, metrics = step(state, batch, jax.random.PRNGKey(1))
-    losses.append(float(metrics["loss"]))
-  return losses
-
-
 def test_sharded_training_equals_single_device_and_learns():
-  reference = _losses(partitioning.Partitioner(devices=jax.devices()[:1]))
-  sharded = _losses(partitioning.Partitioner(num_partitions=2, fsdp=True))
+  model, batch = shared_model(), enc_dec_batch(rows=8, seed=3)
+  reference = train_losses(model, batch, partitioning.Partitioner(devices=jax.devices()[:1]))
+  sharded = train_losses(model, batch, partitioning.Partitioner(num_partitions=2, fsdp=True))
   np.testing.assert_allclose(sharded, reference, rtol=1e-4)
   assert reference[-1] < reference[0]
 

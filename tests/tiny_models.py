@@ -2,7 +2,9 @@
 
 import dataclasses
 
-from t5x_lite import network
+import jax
+
+from t5x_lite import network, optimizers, partitioning, trainer
 
 # vocab 64, d_model 32, 4 heads of 8, MLP 64, 2 + 2 layers, gated GELU, untied
 # logits, no dropout. Tests override what they need (vocabulary size, depth, ...).
@@ -32,3 +34,16 @@ def tiny_checkpoint_config(**overrides) -> network.T5Config:
     vocab_size=320, num_heads=2, head_dim=16, num_encoder_layers=1, num_decoder_layers=1
   )
   return tiny_config(**{**fields, **overrides})
+
+
+def train_losses(model, batch, partitioner: partitioning.Partitioner, steps: int = 3) -> list:
+  """Losses of `steps` Adafactor steps of `model` on one `batch` under `partitioner`
+  (the sharded-equals-single-device tests compare two partitioners' lists)."""
+  optimizer = optimizers.adafactor(learning_rate=0.05)
+  state, shardings = trainer.init_train_state(model, optimizer, jax.random.PRNGKey(0), partitioner)
+  step = trainer.make_train_step(model, optimizer, partitioner, shardings, 1)
+  losses = []
+  for _ in range(steps):
+    state, metrics = step(state, batch, jax.random.PRNGKey(1))
+    losses.append(float(metrics["loss"]))
+  return losses
