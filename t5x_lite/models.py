@@ -23,7 +23,15 @@ import gin
 import jax
 import jax.numpy as jnp
 
-from t5x_lite import decoder_only, decoding, layers, losses, network, shared_encoder_decoder
+from t5x_lite import (
+  decoder_only,
+  decoding,
+  layers,
+  losses,
+  network,
+  partitioning,
+  shared_encoder_decoder,
+)
 from t5x_lite.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -75,8 +83,7 @@ class EncoderDecoderModel:
 
     Nothing is allocated: the params are traced with an abstract key.
     """
-    boxed = jax.eval_shape(self.init_params, jax.ShapeDtypeStruct((2,), jnp.uint32))
-    return nn.get_partition_spec(boxed)
+    return nn.get_partition_spec(partitioning.abstract_boxed_params(self.init_params))
 
   # ------------------------------------------------------------------ loss
 

@@ -29,6 +29,7 @@ for train, eval and infer.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -44,6 +45,24 @@ from t5x_lite.errors import ConfigError
 
 LogicalRules = tuple[tuple[str, str | None], ...]
 MESH_AXES = ('data', 'model')
+
+
+@functools.lru_cache(maxsize=8)
+def abstract_boxed_params(init_params: Callable[[jax.Array], Any]) -> Any:
+  """`init_params` traced with an abstract PRNG key: the boxed params as shapes.
+
+  Nothing is allocated. Traced once per callable (a model's bound `init_params`
+  is the same key on every call), since the entry points ask for the same shapes
+  several times while they set up, and each trace of a network costs a fraction of
+  a second of Python.
+
+  Args:
+    init_params: rng -> boxed parameter tree (`nn.LogicallyPartitioned` leaves).
+
+  Returns:
+    The tree `init_params` returns, with `jax.ShapeDtypeStruct` values.
+  """
+  return jax.eval_shape(init_params, jax.ShapeDtypeStruct((2,), jnp.uint32))
 
 
 def create_mesh(
@@ -227,9 +246,8 @@ class Partitioner:
       (plain tree of `jax.ShapeDtypeStruct` carrying their shardings: a restore target
       for checkpoints; the tree of NamedSharding).
     """
-    key = jax.ShapeDtypeStruct((2,), jnp.uint32)
     with self.context():
-      boxed = jax.eval_shape(init_params, key)
+      boxed = abstract_boxed_params(init_params)
     shardings = self.logical_shardings(boxed)
     abstract = jax.tree.map(
       lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
