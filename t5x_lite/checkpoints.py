@@ -16,7 +16,7 @@ paths are taken relative to the working directory):
 
   <root>/<step>/params/         StandardSave of the plain (unboxed) params dict
   <root>/<step>/opt_state/      StandardSave of the optax state (training, T5X converter)
-  <root>/<step>/train_meta/     JsonSave: step, rng, data position, model config
+  <root>/<step>/train_meta/     JsonSave: step, rng, data position, model config, vocabulary
   <root>/<step>/data_iterator/  one file set per host: the input pipeline position
   <root>/<step>/config/         JsonSave of the T5Config fields (converters only)
   <root>/<step>/files.json      size and CRC32 of every file of the step
@@ -37,6 +37,7 @@ shapes differ instead of a silent re-initialisation.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import os
 from collections.abc import Collection, Mapping
 from typing import Any
@@ -71,6 +72,8 @@ DATA_ITERATOR = "data_iterator"
 CONFIG = "config"
 # Key of the T5Config fields inside the `train_meta` item.
 MODEL_CONFIG_KEY = "model_config"
+# Key of the training vocabulary's `vocabulary_fingerprint` inside `train_meta`.
+VOCABULARY_KEY = "vocabulary"
 
 
 class CheckpointMismatchError(CheckpointError):
@@ -248,6 +251,51 @@ def stored_config_fields(step_dir: epath.Path) -> dict[str, Any] | None:
   """
   meta = read_json_item(step_dir, TRAIN_META) or {}
   return meta.get(MODEL_CONFIG_KEY) or read_json_item(step_dir, CONFIG)
+
+
+def vocabulary_fingerprint(vocabulary: Any) -> dict[str, Any] | None:
+  """What identifies a SentencePiece vocabulary, for `train_meta`; None for other kinds.
+
+  {'sentencepiece_model_file': the path it was loaded from, 'sha256': a hash of
+  the model's bytes (its pieces), 'extra_ids': sentinel count}. A
+  `vocab.DeferredVocabulary` is fingerprinted as what it resolves to now.
+  """
+  vocabulary = getattr(vocabulary, "resolved", vocabulary)
+  model = getattr(vocabulary, "sp_model", None)
+  if not isinstance(model, bytes):
+    return None
+  return {
+    "sentencepiece_model_file": str(vocabulary.sentencepiece_model_file),
+    "sha256": hashlib.sha256(model).hexdigest(),
+    "extra_ids": int(vocabulary.extra_ids),
+  }
+
+
+def check_vocabulary(step_dir: epath.Path, vocabulary: Any) -> None:
+  """Refuses to use a checkpoint with another vocabulary than the one it was trained with.
+
+  A model of the same vocab_size restores and runs with any vocabulary of that
+  size, and then decodes nonsense: the gin file that binds the training
+  vocabulary was left out. Checkpoints that store no fingerprint (older ones,
+  converted ones) and vocabularies that are not SentencePiece are not checked.
+
+  Raises:
+    ConfigError: naming both vocabularies and the gin binding to set.
+  """
+  stored = (read_json_item(step_dir, TRAIN_META) or {}).get(VOCABULARY_KEY)
+  current = vocabulary_fingerprint(vocabulary)
+  if not stored or current is None:
+    return
+  if (stored["sha256"], stored["extra_ids"]) == (current["sha256"], current["extra_ids"]):
+    return
+  trained_with = stored["sentencepiece_model_file"]
+  raise ConfigError(
+    f"{shown(step_dir)} was trained with the vocabulary {trained_with} "
+    f"({stored['extra_ids']} extra ids), but this run's vocabulary is "
+    f"{current['sentencepiece_model_file']} ({current['extra_ids']} extra ids); bind "
+    f"--gin.get_vocabulary.sentencepiece_model_file=\"'{trained_with}'\" or pass the gin "
+    "file that set it in training."
+  )
 
 
 def model_config(step_dir: epath.Path) -> network.T5Config:

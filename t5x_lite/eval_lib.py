@@ -134,6 +134,7 @@ def _build_evaluator(
   """(abstract params, evaluator) of the model `step_dir` stores, logging to `output_dir`."""
   os.makedirs(output_dir, exist_ok=True)
   model = models.build_model(checkpoints.model_config(step_dir))
+  checkpoints.check_vocabulary(step_dir, model.output_vocabulary)
   partitioner = partitioning.Partitioner()
   abstract, shardings = partitioner.abstract_params(model.init_params)
   runner = model_runner.ModelRunner(model, partitioner, shardings, decode, dataset_cfg.batch_size)

@@ -363,6 +363,7 @@ def infer(
   _check_output_file(output_file)
   [(step, step_dir)] = checkpoints.find_steps(checkpoint_path)  # verified
   model = models.build_model(checkpoints.model_config(step_dir))
+  checkpoints.check_vocabulary(step_dir, model.output_vocabulary)
   if input_file is not None:
     examples, source = file_examples(input_file, model, task_feature_lengths), input_file
   else:

@@ -423,6 +423,7 @@ def restore_start(
   dtype: str | None = None,
   abstract_opt_state: Any | None = None,
   frozen_by: Sequence[str] = (),
+  vocabulary: Any | None = None,
 ) -> Start:
   """Restores the start of a fine-tuning run from the newest intact step of `path`.
 
@@ -436,6 +437,8 @@ def restore_start(
       `config.restore_optimizer_state`.
     frozen_by: gin bindings that freeze parameters in this run (their optimizer
       state differs from a full one), for the error message.
+    vocabulary: this run's vocabulary, checked against the one the checkpoint was
+      trained with (`checkpoints.check_vocabulary`); None: not checked.
 
   Returns:
     The params; with `restore_optimizer_state` also the optimizer state and step.
@@ -445,6 +448,8 @@ def restore_start(
       mismatch (naming `frozen_by` when a frozen setup causes it).
   """
   [(number, step_dir)] = checkpoints.find_steps(path)
+  if vocabulary is not None:
+    checkpoints.check_vocabulary(step_dir, vocabulary)
   params = _restore_params(step_dir, abstract_params, fresh_params, config, dtype)
   if not config.restore_optimizer_state:
     return Start(params)

@@ -157,6 +157,7 @@ def _setup_state(
         dtype=initial_checkpoint_dtype,
         abstract_opt_state=abstract.opt_state,
         frozen_by=frozen_by,
+        vocabulary=model.output_vocabulary,
       )
       state = state.replace(params=start.params)
       if start.opt_state is not None:
@@ -280,6 +281,7 @@ class _Loop:
     # (period, fn(params, step) -> scalars): seqio evaluation, see `eval_lib`.
     self.infer_eval: tuple[int, Any] | None = None
     self.last_saved = ckpt.latest_step()
+    self.vocabulary = checkpoints.vocabulary_fingerprint(model.output_vocabulary)
 
   def enable_eval(self, cfg: data.DatasetConfig, period: int, steps: int) -> None:
     """Evaluates every `period` steps (and at the end) on `steps` batches of `cfg`."""
@@ -298,6 +300,7 @@ class _Loop:
       "rng": [int(x) for x in np.asarray(jax.device_get(self.setup.rng)).ravel()],
       "data_batches_consumed": self.train_iter.batches_consumed,
       checkpoints.MODEL_CONFIG_KEY: dataclasses.asdict(self.setup.model_config),
+      checkpoints.VOCABULARY_KEY: self.vocabulary,
     }
     if self.ckpt.save(step, state.params, state.opt_state, meta, self.train_iter):
       self.last_saved = step

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
+import seqio
 import tensorflow as tf
 from flax import traverse_util
 
@@ -36,7 +37,9 @@ from t5x_lite import (
   partitioning,
   train_checkpointer,
   train_lib,
+  vocab,
 )
+from t5x_lite.errors import ConfigError
 from text_tasks import VOCAB, register_text_task
 from tiny_models import tiny_checkpoint_config
 
@@ -205,6 +208,36 @@ def test_finetune_restores_params_only_and_names_missing_parameter(pretrained, t
   assert dict(mesh.shape) == {"data": 8, "model": 1}
   expected = checkpoints.restore_params(pretrained, _abstract_params(tied))
   jax.tree.map(np.testing.assert_array_equal, jax.device_get(state.params), expected)
+
+
+def test_a_checkpoint_is_used_only_with_the_vocabulary_it_was_trained_with(pretrained, tmp_path):
+  # The data are bytes; the model's output vocabulary is what the checkpoint records.
+  offline = vocab.offline_vocabulary_path()
+  trained_with = seqio.SentencePieceVocabulary(offline, extra_ids=100)
+  module = network.Transformer(tiny_checkpoint_config())
+  _train(tmp_path / "run", 1, model=models.EncoderDecoderModel(module, trained_with, trained_with))
+  step_dir = tmp_path / "run" / "1"
+  checkpoints.check_vocabulary(step_dir, trained_with)
+  moved = tmp_path / "moved.model"
+  moved.write_bytes(open(offline, "rb").read())
+  checkpoints.check_vocabulary(step_dir, seqio.SentencePieceVocabulary(str(moved), extra_ids=100))
+  checkpoints.check_vocabulary(pretrained / "2", trained_with)  # no fingerprint: not checked
+  other = seqio.SentencePieceVocabulary(offline, extra_ids=50)
+  expected = (
+    rf"was trained with the vocabulary {re.escape(offline)} \(100 extra ids\), but this run's "
+    rf"vocabulary is {re.escape(offline)} \(50 extra ids\); bind "
+    rf"--gin.get_vocabulary.sentencepiece_model_file=\"'{re.escape(offline)}'\""
+  )
+  with pytest.raises(ConfigError, match=expected):
+    checkpoints.check_vocabulary(step_dir, other)
+  with pytest.raises(ConfigError, match=expected):  # nothing is trained or saved
+    _train(
+      tmp_path / "ft",
+      1,
+      model=models.EncoderDecoderModel(module, other, other),
+      initial_checkpoint_path=str(tmp_path / "run"),
+    )
+  assert not (tmp_path / "ft" / "1").exists()
 
 
 def _adapters_gin_patterns() -> list[str]:
