@@ -16,6 +16,7 @@ train and decode a model over any object with `eos_id` and `vocab_size`.
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING, Any, Mapping
 
 import flax.linen as nn
@@ -23,15 +24,7 @@ import gin
 import jax
 import jax.numpy as jnp
 
-from t5x_lite import (
-  decoder_only,
-  decoding,
-  layers,
-  losses,
-  network,
-  partitioning,
-  shared_encoder_decoder,
-)
+from t5x_lite import decoder_only, decoding, layers, losses, network, shared_encoder_decoder
 from t5x_lite.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -83,7 +76,7 @@ class EncoderDecoderModel:
 
     Nothing is allocated: the params are traced with an abstract key.
     """
-    return nn.get_partition_spec(partitioning.abstract_boxed_params(self.init_params))
+    return _param_axes(self.init_params)
 
   # ------------------------------------------------------------------ loss
 
@@ -448,6 +441,13 @@ def teacher_forced_logits(
     enable_dropout=dropout_rng is not None,
     rngs=rngs,
   )
+
+
+@functools.lru_cache(maxsize=8)
+def _param_axes(init_params: Any) -> PyTree:
+  """`EncoderDecoderModel.param_axes`, traced once per model (its bound `init_params`)."""
+  boxed = jax.eval_shape(init_params, jax.ShapeDtypeStruct((2,), jnp.uint32))
+  return nn.get_partition_spec(boxed)
 
 
 def _zero_after_eos(tokens: jax.Array, eos_id: int) -> jax.Array:
