@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from xla_flags import xla_flags
 
 pytestmark = pytest.mark.slow  # subprocess runs of the entry points
 
@@ -28,7 +29,7 @@ def _write_glue(data_dir: Path) -> None:
 
 def _compare(cwd: Path, *args: str) -> subprocess.CompletedProcess:
   env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
-  env.pop("XLA_FLAGS", None)
+  env["XLA_FLAGS"] = xla_flags()  # one CPU device, as a user's run
   command = [sys.executable, str(REPO / "tools/compare.py"), *args]
   return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=900)
 

@@ -5,11 +5,10 @@ import tempfile
 
 import gin  # no JAX import: the environment below still comes first
 import pytest
+from xla_flags import xla_flags
 
 # Must happen before jax is imported anywhere in the test session.
-os.environ["XLA_FLAGS"] = (
-  os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-).strip()
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + xla_flags(devices=8)).strip()
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # One offline vocabulary trained per machine and shared by every test (and xdist worker).

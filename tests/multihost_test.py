@@ -25,6 +25,8 @@ import gin
 import jax
 import numpy as np
 import pytest
+import tasks  # noqa: F401  (registers cpython_code_to_docstring for _restore's gin)
+from xla_flags import xla_flags
 
 from t5x_lite import (
   checkpoints,
@@ -62,7 +64,7 @@ def _free_port() -> int:
 def _env(devices: int) -> dict[str, str]:
   env = dict(os.environ)
   env.update(
-    XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+    XLA_FLAGS=xla_flags(devices),
     JAX_PLATFORMS="cpu",
     JAX_CPU_COLLECTIVES_IMPLEMENTATION="gloo",
     TF_CPP_MIN_LOG_LEVEL="3",

@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 import pytest
+from xla_flags import xla_flags
 
 pytestmark = pytest.mark.slow
 
@@ -221,15 +222,17 @@ def _not_copied(directory: str, names: list[str]) -> set[str]:
 def _user_env(compilation_cache: Path) -> dict[str, str]:
   """A user's environment: the test's interpreter first on PATH, one CPU device.
 
-  One addition: JAX's persistent compilation cache in `compilation_cache`, so the many
-  commands that compile the same tiny programs compile each once. A cache hit loads
-  the executable the compiler produced for the identical program; what the commands
-  do and print is unchanged.
+  Two additions, neither of which changes what the commands do or print: JAX's
+  persistent compilation cache in `compilation_cache`, so the many commands that
+  compile the same tiny programs compile each once (a cache hit loads the executable
+  the compiler produced for the identical program), and the suite's fast-compiling
+  XLA flag (`xla_flags.FAST_COMPILE`).
   """
   env = {
     k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS", "PYTHONPATH")
   }
   env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
+  env["XLA_FLAGS"] = xla_flags()
   env["JAX_COMPILATION_CACHE_DIR"] = str(compilation_cache)
   env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
   env["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"

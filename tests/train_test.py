@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
+from xla_flags import xla_flags
 import seqio
 import tensorflow as tf
 from flax import traverse_util
@@ -326,7 +327,7 @@ _ENV = {
   for k, v in os.environ.items()
   if k != "TF_CPP_MIN_LOG_LEVEL" and (k != "JAX_PLATFORMS" or console.has_accelerator())
 }
-_ENV["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+_ENV["XLA_FLAGS"] = xla_flags(devices=2)
 # Start-up and data-pipeline lines of TensorFlow, CUDA, libtpu, JAX and seqio that a
 # CPU run must not print.
 _NOISE = (

@@ -21,6 +21,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from xla_flags import xla_flags
 
 from t5x_lite import checkpoints, file_sources, models, network, partitioning, unlabeled_text
 
@@ -136,7 +137,8 @@ _TINY_MODEL = (
 
 def _run(command: str, cwd: Path) -> str:
   """`command` through bash in `cwd`, this interpreter first on PATH (an activated venv)."""
-  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "PYTHONPATH")}
+  env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+  env["XLA_FLAGS"] = xla_flags()  # one CPU device, as a user's run
   env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
   result = subprocess.run(
     ["bash", "-c", command], cwd=cwd, env=env, capture_output=True, text=True, timeout=600
