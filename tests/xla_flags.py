@@ -5,7 +5,7 @@ is most of a test's time. `FAST_COMPILE` builds the CPU code at LLVM's optimisat
 level 0: the same HLO, fused and laid out the same way, from which LLVM emits
 machine code without its optimisation passes. That took a 3-step quickstart
 from 34 to 28 s and the fast suite (`-m "not slow"`, 2 workers) from 521 to 406 s on
-a 2-core CPU, with every test passing at its tolerance. Tests that time the code
+a 2-core AMD EPYC (Zen 3), with every test passing at its tolerance. Tests that time the code
 (tests/benchmark_test.py) and those that compile for a TPU keep XLA's defaults.
 """
 
