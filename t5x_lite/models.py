@@ -17,6 +17,7 @@ train and decode a model over any object with `eos_id` and `vocab_size`.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Mapping
 
 import flax.linen as nn
@@ -76,7 +77,7 @@ class EncoderDecoderModel:
 
     Nothing is allocated: the params are traced with an abstract key.
     """
-    return _param_axes(self.init_params)
+    return nn.get_partition_spec(abstract_boxed_params(self.init_params))
 
   # ------------------------------------------------------------------ loss
 
@@ -444,10 +445,22 @@ def teacher_forced_logits(
 
 
 @functools.lru_cache(maxsize=8)
-def _param_axes(init_params: Any) -> PyTree:
-  """`EncoderDecoderModel.param_axes`, traced once per model (its bound `init_params`)."""
-  boxed = jax.eval_shape(init_params, jax.ShapeDtypeStruct((2,), jnp.uint32))
-  return nn.get_partition_spec(boxed)
+def abstract_boxed_params(init_params: Callable[[jax.Array], PyTree]) -> PyTree:
+  """`init_params` traced with an abstract PRNG key: the boxed params as shapes.
+
+  Nothing is allocated. Traced once per callable (a model's bound `init_params`
+  is the same key on every call): the entry points ask for the same shapes and
+  axes several times while they set up (`EncoderDecoderModel.param_axes`,
+  `partitioning.Partitioner.abstract_params`), and each trace of a network costs a
+  fraction of a second of Python.
+
+  Args:
+    init_params: rng -> boxed parameter tree (`nn.LogicallyPartitioned` leaves).
+
+  Returns:
+    The tree `init_params` returns, with `jax.ShapeDtypeStruct` values.
+  """
+  return jax.eval_shape(init_params, jax.ShapeDtypeStruct((2,), jnp.uint32))
 
 
 def _zero_after_eos(tokens: jax.Array, eos_id: int) -> jax.Array:

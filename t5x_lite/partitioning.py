@@ -29,40 +29,21 @@ for train, eval and infer.
 from __future__ import annotations
 
 import contextlib
-import functools
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import flax.linen as nn
 import gin
 import jax
-import jax.numpy as jnp
 from flax.core import meta
 from jax.experimental import mesh_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from t5x_lite import models
 from t5x_lite.errors import ConfigError
 
 LogicalRules = tuple[tuple[str, str | None], ...]
 MESH_AXES = ('data', 'model')
-
-
-@functools.lru_cache(maxsize=8)
-def abstract_boxed_params(init_params: Callable[[jax.Array], Any]) -> Any:
-  """`init_params` traced with an abstract PRNG key: the boxed params as shapes.
-
-  Nothing is allocated. Traced once per callable (a model's bound `init_params`
-  is the same key on every call), since the entry points ask for the same shapes
-  several times while they set up, and each trace of a network costs a fraction of
-  a second of Python.
-
-  Args:
-    init_params: rng -> boxed parameter tree (`nn.LogicallyPartitioned` leaves).
-
-  Returns:
-    The tree `init_params` returns, with `jax.ShapeDtypeStruct` values.
-  """
-  return jax.eval_shape(init_params, jax.ShapeDtypeStruct((2,), jnp.uint32))
 
 
 def create_mesh(
@@ -247,7 +228,7 @@ class Partitioner:
       for checkpoints; the tree of NamedSharding).
     """
     with self.context():
-      boxed = abstract_boxed_params(init_params)
+      boxed = models.abstract_boxed_params(init_params)
     shardings = self.logical_shardings(boxed)
     abstract = jax.tree.map(
       lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
