@@ -23,10 +23,18 @@ if TYPE_CHECKING:
 Array = jax.Array
 
 
-def norm(cfg: T5Config, name: str) -> layers.RMSNorm:
-  """T5's RMSNorm (no bias, no mean subtraction) named `name`."""
+def norm(cfg: T5Config, name: str, in_layer: bool = True) -> layers.RMSNorm:
+  """T5's RMSNorm (no bias, no mean subtraction) named `name`.
+
+  `in_layer`: inside a layer, which `apply_layers` rematerialises as a whole unless
+  remat_policy is 'none'; then the norm does not checkpoint itself as well.
+  """
   return layers.RMSNorm(
-    cfg.layer_norm_epsilon, cfg.activation_dtype, cfg.parameter_dtype, name=name
+    cfg.layer_norm_epsilon,
+    cfg.activation_dtype,
+    cfg.parameter_dtype,
+    recompute=not in_layer or cfg.remat_policy == 'none',
+    name=name,
   )
 
 
@@ -52,6 +60,7 @@ def mlp(cfg: T5Config) -> layers.MlpBlock:
     cfg.dropout_rate,
     cfg.activation_dtype,
     cfg.parameter_dtype,
+    recompute=cfg.remat_policy == 'none',  # else the whole layer is rematerialised
     name='mlp',
   )
 

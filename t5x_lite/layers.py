@@ -8,7 +8,6 @@ No layer has a bias term. Attention logits carry no 1/sqrt(head_dim) factor: it 
 folded into the query kernel's initialiser, as in T5 and T5X.
 """
 
-import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -127,11 +126,16 @@ class RMSNorm(nn.Module):
     epsilon: added to the mean square.
     dtype: output dtype.
     param_dtype: storage dtype of `scale`.
+    recompute: the backward pass keeps x in its own dtype and recomputes the float32
+      intermediates, instead of keeping [..., embed] float32 copies (under
+      `scan_layers` autodiff would stack them for every layer). Off inside a layer
+      that is rematerialised as a whole, where a nested checkpoint only costs memory.
   """
 
   epsilon: float = 1e-6
   dtype: Dtype = jnp.float32
   param_dtype: Dtype = jnp.float32
+  recompute: bool = True
 
   @nn.compact
   def __call__(self, x: Array) -> Array:
@@ -142,21 +146,19 @@ class RMSNorm(nn.Module):
       (x.shape[-1],),
       self.param_dtype,
     )
-    return _rms_norm(x, scale, self.epsilon, self.dtype)
+    rms_norm = _rms_norm_recomputed if self.recompute else _rms_norm
+    return rms_norm(x, scale, self.epsilon, self.dtype)
 
 
-@functools.partial(jax.checkpoint, static_argnums=(2, 3))
 def _rms_norm(x: Array, scale: Array, epsilon: float, dtype: Dtype) -> Array:
-  """x [..., embed] -> normalised, in float32 inside.
-
-  Rematerialised: the backward pass keeps x in its own dtype and recomputes the
-  float32 intermediates, instead of keeping [..., embed] float32 copies (under
-  `scan_layers` autodiff would stack them for every layer).
-  """
+  """x [..., embed] -> normalised, in float32 inside."""
   x32 = jnp.asarray(x, jnp.float32)
   mean_square = jnp.mean(jnp.square(x32), axis=-1, keepdims=True)  # [..., 1]
   y = x32 * jax.lax.rsqrt(mean_square + epsilon)
   return (y * jnp.asarray(scale, jnp.float32)).astype(dtype)
+
+
+_rms_norm_recomputed = jax.checkpoint(_rms_norm, static_argnums=(2, 3))
 
 
 _ACTIVATIONS: dict[str, Callable[[Array], Array]] = {
@@ -166,19 +168,16 @@ _ACTIVATIONS: dict[str, Callable[[Array], Array]] = {
 }
 
 
-@functools.partial(jax.checkpoint, static_argnums=(0,))
 def _gated_activations(activations: tuple[str, ...], *projected: Array) -> Array:
-  """prod_i act_i(projected_i), each [batch, length, mlp].
-
-  Rematerialised: the backward pass keeps only the projections and recomputes the
-  activation's intermediates (GELU's tanh and powers), which under `scan_layers`
-  autodiff would otherwise stack for every layer.
-  """
+  """prod_i act_i(projected_i), each [batch, length, mlp]."""
   hidden = None
   for name, h in zip(activations, projected):
     h = _ACTIVATIONS[name](h)
     hidden = h if hidden is None else hidden * h
   return hidden
+
+
+_gated_activations_recomputed = jax.checkpoint(_gated_activations, static_argnums=(0,))
 
 
 class MlpBlock(nn.Module):
@@ -193,6 +192,10 @@ class MlpBlock(nn.Module):
     dropout_rate: dropout on the hidden activations (broadcast over length, as T5X).
     dtype: computation dtype.
     param_dtype: storage dtype of the kernels.
+    recompute: the backward pass keeps only the projections and recomputes the
+      activation's intermediates (GELU's tanh and powers), which under `scan_layers`
+      autodiff would otherwise stack for every layer. Off inside a layer that is
+      rematerialised as a whole, where a nested checkpoint only costs memory.
   """
 
   mlp_dim: int
@@ -200,6 +203,7 @@ class MlpBlock(nn.Module):
   dropout_rate: float = 0.0
   dtype: Dtype = jnp.float32
   param_dtype: Dtype = jnp.float32
+  recompute: bool = True
 
   @nn.compact
   def __call__(self, inputs: Array, deterministic: bool = True) -> Array:
@@ -218,7 +222,8 @@ class MlpBlock(nn.Module):
         name=proj_name,
       )(inputs)
       projected.append(h)
-    hidden = _gated_activations(tuple(self.activations), *projected)  # [batch, length, mlp]
+    activate = _gated_activations_recomputed if self.recompute else _gated_activations
+    hidden = activate(tuple(self.activations), *projected)  # [batch, length, mlp]
     hidden = nn.Dropout(rate=self.dropout_rate, broadcast_dims=(-2,))(
       hidden, deterministic=deterministic
     )

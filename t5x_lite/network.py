@@ -206,7 +206,7 @@ class Encoder(nn.Module):
       position_bias,
       deterministic=deterministic,
     )
-    x = blocks.norm(cfg, 'encoder_norm')(x)
+    x = blocks.norm(cfg, 'encoder_norm', in_layer=False)(x)
     x = nn.Dropout(rate=cfg.dropout_rate, broadcast_dims=(-2,))(x, deterministic=deterministic)
     return nn.with_logical_constraint(x, ('batch', 'length', 'embed'))
 
@@ -386,7 +386,7 @@ class Decoder(nn.Module):
       decode=decode,
       cache_length=max_decode_length if decode else None,
     )
-    x = blocks.norm(cfg, 'decoder_norm')(x)
+    x = blocks.norm(cfg, 'decoder_norm', in_layer=False)(x)
     x = nn.Dropout(rate=cfg.dropout_rate, broadcast_dims=(-2,))(x, deterministic=deterministic)
     return self._logits(x)
 

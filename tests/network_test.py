@@ -6,6 +6,7 @@ import functools
 
 import flax.linen as nn
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -382,3 +383,40 @@ def test_adapter_kernels_use_the_mlp_logical_axes():
   assert adapter['wo']['kernel'].names == ('layers', 'mlp', 'embed')
   with pytest.raises(ValueError, match='adapter_dim'):
     dataclasses.replace(TINY, adapter_dim=-1)
+
+
+def _checkpoints_in_jaxpr(jaxpr) -> int:
+  """How many checkpoint (remat) equations `jaxpr` holds, nested ones included."""
+  count = 0
+  for eqn in jaxpr.eqns:
+    count += eqn.primitive.name in ('checkpoint', 'remat2')
+    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+      count += _checkpoints_in_jaxpr(sub)
+  return count
+
+
+@pytest.mark.parametrize(
+  'remat_policy, layer_checkpoints', [('none', True), ('minimal', False), ('full', False)]
+)
+def test_norms_and_activations_checkpoint_themselves_only_outside_layer_remat(
+  remat_policy, layer_checkpoints
+):
+  """Norm and gated activation recompute their float32 intermediates where no layer remat
+  does; inside a rematerialised layer a nested checkpoint would only cost memory."""
+  from t5x_lite import blocks  # pylint: disable=g-import-not-at-top
+
+  config = dataclasses.replace(TINY, remat_policy=remat_policy)
+  assert blocks.norm(config, 'pre_mlp_layer_norm').recompute is layer_checkpoints
+  assert blocks.mlp(config).recompute is layer_checkpoints
+  assert blocks.norm(config, 'encoder_norm', in_layer=False).recompute is True
+  # The whole network's gradient: one checkpoint per layer when remat is on, and then no
+  # nested one; with remat off, checkpoints only around norms and activations.
+  model, params = _init(config)
+  jaxpr = jax.make_jaxpr(jax.grad(lambda p: jnp.sum(_logits(model, p, enable_dropout=False) ** 2)))(
+    params
+  ).jaxpr
+  layers = TINY.num_encoder_layers + TINY.num_decoder_layers
+  # norms: 2 per encoder layer, 3 per decoder layer, 2 final; one activation per layer
+  per_network = 2 * TINY.num_encoder_layers + 3 * TINY.num_decoder_layers + 2 + layers
+  expected = per_network if remat_policy == 'none' else layers + 2
+  assert _checkpoints_in_jaxpr(jaxpr) == expected
