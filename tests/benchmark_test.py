@@ -20,10 +20,10 @@ import sys
 import pytest
 
 from t5x_lite import flops
+from t5x_peer import PEER_PYTHON, needs_t5x_peer
 from tiny_models import tiny_config
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-PEER_PYTHON = os.environ.get("T5X_PEER_PYTHON", os.path.expanduser("~/t5x_peer/venv/bin/python"))
 
 sys.path.insert(0, str(REPO / "tools"))
 import benchmark  # noqa: E402  (tools/benchmark.py)
@@ -232,11 +232,7 @@ def test_t5x_peer_failure_is_one_line_naming_interpreter_and_stderr(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(
-  not os.path.exists(PEER_PYTHON),
-  reason=f"T5X peer not installed at {PEER_PYTHON}: bash ../shared/peers/install_t5x.sh "
-  "$HOME/t5x_peer (or set T5X_PEER_PYTHON)",
-)
+@needs_t5x_peer
 def test_t5x_peer_measures_t5x(tmp_path):
   out = tmp_path / "bench.json"
   proc = run_benchmark_tool(out, "--skip=data", f"--compare_t5x={PEER_PYTHON}")

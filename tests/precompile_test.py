@@ -16,6 +16,7 @@ import jax
 import pytest
 
 from t5x_lite import precompile
+from t5x_peer import PEER_PYTHON, needs_t5x_peer
 
 pytestmark = pytest.mark.slow  # subprocess runs of the entry points
 
@@ -192,12 +193,6 @@ def test_unknown_topology_through_the_entry_point():
   assert "Unknown TPU topology 'v5x:4x4'" in result.stderr and "v6e:2x2" in result.stderr
 
 
-PEER_PYTHON = os.environ.get("T5X_PEER_PYTHON", os.path.expanduser("~/t5x_peer/venv/bin/python"))
-needs_t5x_peer = pytest.mark.skipif(
-  not os.path.exists(PEER_PYTHON),
-  reason=f"T5X peer not installed at {PEER_PYTHON}: bash ../shared/peers/install_t5x.sh "
-  "$HOME/t5x_peer (or set T5X_PEER_PYTHON)",
-)
 # T5X's scalable_t5 T5 1.1 shrunk to one layer per stack with small widths.
 _TINY_SCALABLE = (
   "--size=small",
@@ -218,12 +213,12 @@ _TINY_SCALABLE = (
 
 
 def _t5x_peer_precompile(tmp_path, name: str, *args: str) -> dict:
+  """tools/t5x_peer_precompile.py in the T5X venv with `args`; its JSON."""
   out = tmp_path / f"{name}.json"
   env = dict(os.environ)
   env.pop("XLA_FLAGS", None)
   result = subprocess.run(
-    [PEER_PYTHON, "tools/t5x_peer_precompile.py", "--network=scalable_t5", f"--json_out={out}"]
-    + list(args),
+    [PEER_PYTHON, "tools/t5x_peer_precompile.py", f"--json_out={out}", *args],
     cwd=REPO,
     env=env,
     capture_output=True,
@@ -238,10 +233,9 @@ def _t5x_peer_precompile(tmp_path, name: str, *args: str) -> dict:
 @needs_t5x_peer
 def test_t5x_scalable_peer_reports_memory_and_costs(tmp_path):
   """T5X's scanned network compiles for a slice; fsdp splits its parameters over 'data'."""
-  plain = _t5x_peer_precompile(tmp_path, "plain", "--topology=v5e:2x2", *_TINY_SCALABLE)
-  fsdp = _t5x_peer_precompile(
-    tmp_path, "fsdp", "--topology=v5e:2x2", "--num_partitions=2", "--fsdp", *_TINY_SCALABLE
-  )
+  scalable = ("--network=scalable_t5", "--topology=v5e:2x2", *_TINY_SCALABLE)
+  plain = _t5x_peer_precompile(tmp_path, "plain", *scalable)
+  fsdp = _t5x_peer_precompile(tmp_path, "fsdp", *scalable, "--num_partitions=2", "--fsdp")
   assert plain["mesh"] == {"data": 4, "model": 1} and fsdp["mesh"] == {"data": 2, "model": 2}
   assert plain["scan_layers"] is True and plain["layer_remat"] == "minimal"
   for result in (plain, fsdp):
@@ -259,22 +253,18 @@ def test_t5x_scalable_peer_reports_memory_and_costs(tmp_path):
 @needs_t5x_peer
 def test_t5x_flaxformer_peer_gains_cost_analysis(tmp_path):
   """The shipped (unscanned flaxformer) network goes through the peer's own script."""
-  out = tmp_path / "flaxformer.json"
-  env = dict(os.environ)
-  env.pop("XLA_FLAGS", None)
-  result = subprocess.run(
-    [PEER_PYTHON, "tools/t5x_peer_precompile.py", f"--json_out={out}", "--", "--size=small"]
-    + ["--topology=v5e:2x2", "--batch=16", "--inputs_len=64", "--targets_len=16"]
-    + ["--gin_binding=NUM_ENCODER_LAYERS = 1", "--gin_binding=NUM_DECODER_LAYERS = 1"],
-    cwd=REPO,
-    env=env,
-    capture_output=True,
-    text=True,
-    timeout=900,
-    check=False,
+  figures = _t5x_peer_precompile(
+    tmp_path,
+    "flaxformer",
+    "--",
+    "--size=small",
+    "--topology=v5e:2x2",
+    "--batch=16",
+    "--inputs_len=64",
+    "--targets_len=16",
+    "--gin_binding=NUM_ENCODER_LAYERS = 1",
+    "--gin_binding=NUM_DECODER_LAYERS = 1",
   )
-  assert result.returncode == 0, result.stderr[-4000:]
-  figures = json.loads(out.read_text())
   assert figures["codebase"] == "t5x" and figures["scan_layers"] is False
   assert figures["fits"] is True and figures["total"] > figures["arguments"] > 0
   assert figures["xla_flops_per_chip"] > 0 and figures["xla_bytes_per_chip"] > 0

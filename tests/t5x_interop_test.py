@@ -21,10 +21,10 @@ from flax import serialization, traverse_util
 
 from t5x_lite import checkpoints, models, network, optimizers, partial_restore, partitioning
 from t5x_lite import t5x_interop, trainer
+from t5x_peer import PEER_PYTHON, needs_t5x_peer
 from tiny_models import tiny_config
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PEER_PYTHON = os.environ.get("T5X_PEER_PYTHON", os.path.expanduser("~/t5x_peer/venv/bin/python"))
 # Width 128 so that T5X's Adafactor (min_dim_size_to_factor=128) factors the kernels.
 WIDE = dict(vocab_size=256, emb_dim=128, num_heads=4, head_dim=32, mlp_dim=256)
 
@@ -259,10 +259,7 @@ def _peer(*args: str) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(
-  not os.path.exists(PEER_PYTHON),
-  reason="T5X peer not installed: bash ../shared/peers/install_t5x.sh $HOME/t5x_peer",
-)
+@needs_t5x_peer
 @pytest.mark.parametrize("t5x_format", ["orbax", "legacy"])
 @pytest.mark.parametrize("arch,scan", ARCHS, ids=[f"{a}{'_scan' if s else ''}" for a, s in ARCHS])
 def test_parity_with_t5x(arch, scan, t5x_format, tmp_path):

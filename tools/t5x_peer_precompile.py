@@ -123,12 +123,15 @@ def run_scalable_t5(args: argparse.Namespace) -> None:
   generation, shape = args.topology.split(":")
   dims = [int(d) for d in shape.split("x")]
   padded = dims + [1] * (3 - len(dims))
-  topology = topologies.get_topology_desc(
-    args.topology,
-    "tpu",
-    chip_config_name="megacore" if generation in ("v4", "v5p") else "default",
-    chips_per_host_bounds=tuple(min(d, h) for d, h in zip(padded, (2, 2, 1))),
-  )
+  try:
+    topology = topologies.get_topology_desc(
+      args.topology,
+      "tpu",
+      chip_config_name="megacore" if generation in ("v4", "v5p") else "default",
+      chips_per_host_bounds=tuple(min(d, h) for d, h in zip(padded, (2, 2, 1))),
+    )
+  except jax.errors.JaxRuntimeError as e:
+    sys.exit(f"ERROR: libtpu rejected --topology={args.topology}: {str(e).splitlines()[0]}")
   devices = list(topology.devices)
   if len(devices) % args.num_partitions:
     sys.exit(f"ERROR: --num_partitions={args.num_partitions} does not divide {len(devices)} chips")
@@ -160,6 +163,8 @@ def run_scalable_t5(args: argparse.Namespace) -> None:
   os.chdir(root)  # the gin files include each other by paths relative to the tree
   try:
     gin.parse_config_files_and_bindings([gin_file], bindings, finalize_config=False)
+  except ValueError as e:
+    sys.exit(f"ERROR: gin bindings {bindings} for {gin_file}: {str(e).splitlines()[0]}")
   finally:
     os.chdir(cwd)
   model = gin.query_parameter("%MODEL").scoped_configurable_fn()
@@ -294,6 +299,8 @@ def main() -> None:
   if args.network == "scalable_t5":
     if peer_args:
       parser.error("arguments after -- are for --network=flaxformer's peer script")
+    if not re.fullmatch(r"(v4|v5e|v5p|v6e):\d+(x\d+)+", args.topology):
+      parser.error(f"--topology={args.topology}: expected <v4|v5e|v5p|v6e>:<chips per axis>")
     run_scalable_t5(args)
   else:
     run_flaxformer_peer(args.script, args.json_out, peer_args)
