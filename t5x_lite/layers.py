@@ -75,7 +75,39 @@ class Projection(nn.Module):
     )
     inputs = jnp.asarray(inputs, self.dtype)
     kernel = jnp.asarray(kernel, self.dtype)
-    return jnp.einsum(self.equation, inputs, kernel, preferred_element_type=self.out_dtype)
+    return _einsum_over_tokens(self.equation, inputs, kernel, self.out_dtype)
+
+
+def _einsum_over_tokens(
+  equation: str, inputs: Array, kernel: Array, out_dtype: Dtype | None = None
+) -> Array:
+  """`jnp.einsum(equation, inputs, kernel)`; on CPU with the leading '...' dims merged.
+
+  The equation starts with '...' on inputs and outputs. On XLA:CPU, merging
+  [batch, length] into one token dimension (free in row-major order) makes the
+  kernel gradient a plain [tokens, in]^T @ [tokens, out] matmul. With two contracted
+  dims, XLA:CPU wrote the gated MLP's activation gradient transposed for that matmul,
+  a strided copy of every [batch, length, mlp] array (2.2 s of thread time in a 10 s
+  T5 1.1 small step). Merged, the results are the same to the bit. On TPU the merge is a
+  relayout wherever the length is not a multiple of the tile (the decoder's 114), and
+  it moved per-chip memory both ways (-0.28 GiB for scanned base, +0.13 to +0.22 GiB
+  for small), so other platforms keep the plain einsum.
+  """
+  in_spec = equation.split(',')[0]
+  explicit = len(in_spec.removeprefix('...'))
+  lead = inputs.shape[: inputs.ndim - explicit]
+
+  def plain(x: Array, k: Array) -> Array:
+    return jnp.einsum(equation, x, k, preferred_element_type=out_dtype)
+
+  def merged(x: Array, k: Array) -> Array:
+    tokens = x.reshape((-1,) + x.shape[len(lead) :])  # [tokens, *explicit]
+    out = jnp.einsum(equation, tokens, k, preferred_element_type=out_dtype)
+    return out.reshape(lead + out.shape[1:])  # [*lead, *out explicit]
+
+  if len(lead) < 2:
+    return plain(inputs, kernel)
+  return jax.lax.platform_dependent(inputs, kernel, cpu=merged, default=plain)
 
 
 class Embed(nn.Module):
@@ -114,7 +146,7 @@ class Embed(nn.Module):
     query = jnp.asarray(query, self.dtype)
     embedding = jnp.asarray(self.embedding, self.dtype)
     # [..., embed] x [vocab, embed] -> [..., vocab]
-    return jnp.einsum('...e,ve->...v', query, embedding, preferred_element_type=jnp.float32)
+    return _einsum_over_tokens('...e,ve->...v', query, embedding, jnp.float32)
 
 
 class RMSNorm(nn.Module):

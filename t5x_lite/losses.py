@@ -2,9 +2,10 @@
 
 Pure functions (no jit, no mesh), following T5X's `t5x/losses.py`:
 
-* `cross_entropy_with_logits` adds the z-loss `z_loss * log(Z)**2` that keeps the
-  softmax normaliser near 1, with a hand-written gradient that never materialises the
-  softmax twice.
+* `cross_entropy_with_integer_labels` is T5X's `cross_entropy_with_logits` (soft
+  targets, plus the z-loss `z_loss * log(Z)**2` that keeps the softmax normaliser
+  near 1) for label-smoothed one-hot targets given as ids, with a hand-written
+  gradient; no [..., vocab] target array is ever built.
 * `compute_weighted_cross_entropy` applies T5X label smoothing (confidence `1 - ls`,
   every other class `ls / (vocab - 1)`, the entropy of that target distribution
   subtracted so a perfect model scores 0), per-token weights and a normalizing factor.
@@ -16,6 +17,7 @@ Pure functions (no jit, no mesh), following T5X's `t5x/losses.py`:
   microbatches and devices) and turned into ratios once at the end.
 """
 
+import functools
 from typing import Mapping, Union
 
 import jax
@@ -30,58 +32,73 @@ SPECIAL_LOSS_NORMALIZING_FACTORS = (
 )
 
 
-@jax.custom_vjp
-def cross_entropy_with_logits(
-  logits: jax.Array, targets: jax.Array, z_loss: float
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def cross_entropy_with_integer_labels(
+  logits: jax.Array, targets: jax.Array, confidence: float, low_confidence: float, z_loss: float
 ) -> tuple[jax.Array, jax.Array]:
-  """Cross-entropy against soft targets plus the z-loss `z_loss * log(Z)**2`.
+  """Cross-entropy against label-smoothed one-hot targets, plus the z-loss.
+
+  The loss against `soft = one_hot(targets) * (confidence - low_confidence) +
+  low_confidence` without building `soft`: the loss reads the target's logit and the
+  row's sum (masked reductions that fuse with the logits), and the gradient forms
+  `softmax - soft` in one pass over the logits. The
+  backward pass keeps only the logits and log Z, where T5X's soft-target form keeps
+  three [..., vocab] arrays (the targets, exp(logits - max) and the log-softmax).
 
   Args:
     logits: [..., vocab] unnormalised log-probabilities.
-    targets: [..., vocab] target distribution (rows sum to 1).
+    targets: [...] integer class ids.
+    confidence: probability of the target class.
+    low_confidence: probability of every other class.
     z_loss: coefficient of the squared log-partition-function penalty.
 
   Returns:
     (loss, z_loss_term), both [...]; `loss` already includes `z_loss_term`.
   """
-  log_z = jax.nn.logsumexp(logits, axis=-1)  # [...]
-  log_softmax = logits - log_z[..., None]  # [..., vocab]
-  total_z_loss = z_loss * jnp.square(log_z)
-  loss = -jnp.sum(targets * log_softmax, axis=-1) + total_z_loss
+  loss, total_z_loss, _ = _integer_label_cross_entropy(
+    logits, targets, confidence, low_confidence, z_loss
+  )
   return loss, total_z_loss
 
 
-def _cross_entropy_fwd(logits, targets, z_loss):
-  max_logit = jnp.max(logits, axis=-1, keepdims=True)  # [..., 1]
-  exp_shifted = jnp.exp(logits - max_logit)  # [..., vocab]
-  sum_exp = jnp.sum(exp_shifted, axis=-1, keepdims=True)  # [..., 1]
-  log_softmax = logits - max_logit - jnp.log(sum_exp)  # [..., vocab]
-  log_z = jnp.squeeze(jnp.log(sum_exp) + max_logit, axis=-1)  # [...]
+def _is_target(targets: jax.Array, logits: jax.Array) -> jax.Array:
+  """[..., vocab] bool, true at each row's target id (a fused compare, never stored)."""
+  return targets[..., None] == jnp.arange(logits.shape[-1], dtype=targets.dtype)
+
+
+def _integer_label_cross_entropy(logits, targets, confidence, low_confidence, z_loss):
+  log_z = jax.nn.logsumexp(logits, axis=-1)  # [...]
+  # A masked sum, not a gather, so that logits sharded over the vocabulary stay sharded.
+  target_logit = jnp.sum(jnp.where(_is_target(targets, logits), logits, 0.0), axis=-1)  # [...]
   total_z_loss = z_loss * jnp.square(log_z)
-  loss = -jnp.sum(targets * log_softmax, axis=-1) + total_z_loss
-  residuals = (targets, z_loss, exp_shifted, sum_exp, log_softmax, log_z)
-  return (loss, total_z_loss), residuals
+  # -sum_v soft_v (logit_v - log_z) with soft = low + (confidence - low) * onehot.
+  loss = -(confidence - low_confidence) * (target_logit - log_z) + total_z_loss
+  if low_confidence:
+    loss = loss - low_confidence * jnp.sum(logits - log_z[..., None], axis=-1)
+  return loss, total_z_loss, log_z
 
 
-def _cross_entropy_bwd(residuals, grads):
-  # Only the total loss is differentiated; the z-loss output is for logging.
-  g = grads[0]
-  targets, z_loss, exp_shifted, sum_exp, log_softmax, log_z = residuals
-  softmax = exp_shifted / sum_exp  # [..., vocab]
-  # d/dlogits [-sum(t * log_softmax) + z * log_z^2] = softmax * sum(t) - t + 2 z log_z softmax.
-  target_mass = jnp.sum(targets, axis=-1, keepdims=True)  # [..., 1]
-  z_factor = (2.0 * z_loss * log_z)[..., None]  # [..., 1]
-  deriv = (target_mass + z_factor) * softmax - targets  # [..., vocab]
-  g_logits = g[..., None] * deriv
-  g_targets = -g[..., None] * log_softmax
-  return (
-    g_logits.astype(exp_shifted.dtype),
-    g_targets.astype(targets.dtype),
-    jnp.zeros_like(jnp.asarray(z_loss)),
+def _integer_label_fwd(logits, targets, confidence, low_confidence, z_loss):
+  loss, total_z_loss, log_z = _integer_label_cross_entropy(
+    logits, targets, confidence, low_confidence, z_loss
   )
+  return (loss, total_z_loss), (logits, targets, log_z)
 
 
-cross_entropy_with_logits.defvjp(_cross_entropy_fwd, _cross_entropy_bwd)
+def _integer_label_bwd(confidence, low_confidence, z_loss, residuals, grads):
+  g = grads[0]  # [...]; only the total loss is differentiated
+  logits, targets, log_z = residuals
+  vocab = logits.shape[-1]
+  softmax = jnp.exp(logits - log_z[..., None])  # [..., vocab]
+  target_mass = confidence + (vocab - 1) * low_confidence
+  soft = jnp.where(_is_target(targets, logits), confidence, low_confidence)  # [..., vocab]
+  # d/dlogits [-sum(soft * log_softmax) + z * log_z^2] = (sum(soft) + 2 z log_z) softmax - soft.
+  scale = (target_mass + 2.0 * z_loss * log_z)[..., None]  # [..., 1]
+  g_logits = g[..., None] * (scale * softmax - soft)
+  return g_logits.astype(logits.dtype), None
+
+
+cross_entropy_with_integer_labels.defvjp(_integer_label_fwd, _integer_label_bwd)
 
 
 def label_smoothing_constants(
@@ -132,9 +149,9 @@ def compute_weighted_cross_entropy(
   confidence, low_confidence, normalizing_constant = label_smoothing_constants(
     vocab_size, label_smoothing
   )
-  soft_targets = jax.nn.one_hot(targets, vocab_size, dtype=logits.dtype)  # [batch, length, vocab]
-  soft_targets = soft_targets * (confidence - low_confidence) + low_confidence
-  total_loss, total_z_loss = cross_entropy_with_logits(logits, soft_targets, z_loss)
+  total_loss, total_z_loss = cross_entropy_with_integer_labels(
+    logits, targets, confidence, low_confidence, z_loss
+  )  # [batch, length] each
   total_loss = total_loss - normalizing_constant  # [batch, length]
   if weights is None:
     weight_sum = jnp.asarray(np.prod(targets.shape), jnp.float32)

@@ -175,3 +175,37 @@ def test_embed_and_attend():
   logits = module.apply(variables, query, method=layers.Embed.attend)
   assert logits.dtype == jnp.float32
   np.testing.assert_allclose(np.asarray(logits), query @ table.T, rtol=1e-6)
+
+
+def _lowered_dots(fn, *args, platform: str) -> list[str]:
+  """The StableHLO dot_general lines of `fn(*args)` lowered for `platform`."""
+  text = jax.jit(fn).trace(*args).lower(lowering_platforms=(platform,)).as_text()
+  return [line for line in text.splitlines() if "stablehlo.dot_general" in line]
+
+
+def test_projection_merges_batch_and_length_into_tokens_on_cpu_only():
+  proj = layers.Projection((4, 5), "...e,em->...m", ("embed", "mlp"))
+  x = jax.random.normal(jax.random.PRNGKey(0), (2, 3, 4))  # [batch, length, embed]
+  params = proj.init(jax.random.PRNGKey(1), x)
+  kernel = params["params"]["kernel"].unbox()
+
+  def loss(params, x):
+    return jnp.sum(jnp.sin(proj.apply(params, x)))
+
+  def reference(kernel, x):
+    return jnp.sum(jnp.sin(jnp.einsum("...e,em->...m", x, kernel)))
+
+  np.testing.assert_allclose(
+    proj.apply(params, x), jnp.einsum("...e,em->...m", x, kernel), rtol=1e-6
+  )
+  grads = jax.grad(loss, argnums=(0, 1))(params, x)
+  ref = jax.grad(reference, argnums=(0, 1))(kernel, x)
+  np.testing.assert_allclose(grads[0]["params"]["kernel"].unbox(), ref[0], rtol=1e-6)
+  np.testing.assert_allclose(grads[1], ref[1], rtol=1e-6)
+
+  # On CPU every matmul, the kernel gradient's included, runs over 6 tokens; a TPU
+  # lowering keeps the [batch, length] einsum (there a merge can be a relayout).
+  cpu = _lowered_dots(jax.grad(loss), params, x, platform="cpu")
+  assert cpu and all("tensor<6x" in line and "2x3x" not in line for line in cpu), cpu
+  tpu = _lowered_dots(jax.grad(loss), params, x, platform="tpu")
+  assert tpu and all("tensor<2x3x" in line for line in tpu), tpu

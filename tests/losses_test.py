@@ -68,10 +68,11 @@ def test_label_smoothing_formula():
   assert abs(float(loss0)) < 1e-4
 
 
-def test_custom_gradient_matches_autodiff():
+@pytest.mark.parametrize("ls, z_coef", [(0.1, 1e-3), (0.0, 0.0), (0.0, 1e-4), (0.2, 0.0)])
+def test_custom_gradient_matches_autodiff(ls, z_coef):
   logits, targets = _random_case(3)
   weights = (np.random.RandomState(0).rand(*targets.shape) > 0.3).astype(np.float32)
-  ls, z_coef, vocab = 0.1, 1e-3, logits.shape[-1]
+  vocab = logits.shape[-1]
 
   def custom(lg):
     return losses.compute_weighted_cross_entropy(
