@@ -28,6 +28,17 @@ about the run. Imported before either of them loads, this module
 
 TF_CPP_MIN_LOG_LEVEL=0 JAX_PLATFORMS= shows everything again.
 
+Not about the console, but it too must happen before anything loads: an entry point
+in `HUGE_PAGE_ENTRY_POINTS` (train, eval, infer, tools/benchmark.py) that imports this
+module first restarts itself once (`os.execve`, same process id and arguments) with
+`glibc.malloc.hugetlb=1` added to GLIBC_TUNABLES, on Linux with glibc 2.35 or later
+and transparent huge pages not 'never'. XLA:CPU allocates a train step's buffers anew
+at every step, and glibc hands the memory back to the kernel between steps, so each
+step faulted in ~3 GB again, one 4 KiB page at a time (T5 1.1 small, batch 8: 800k
+page faults, 2.3 s of system time per 8.3 s step). With 2 MiB pages it takes 10-20k
+faults and 0.65 s, and the step 7.2 s. GLIBC_TUNABLES naming `glibc.malloc.hugetlb`
+at all (`=0` turns it off) is left as it is.
+
 `quiet_library_logs()` (called by `cli.setup` and the tools) also drops the
 INFO lines of chatty libraries and the warnings expected in normal use from
 absl's log (`_QuietLibraryInfo`); their other warnings and errors still show.
@@ -57,6 +68,15 @@ TENSORFLOW_IMPORT_NOISE = (
   "All log messages before absl::InitializeLog() is called are written to STDERR",
   "cudart_stub.cc",
 )
+# `python -m` modules and scripts (parent dir/name) that restart with huge-page malloc.
+HUGE_PAGE_ENTRY_POINTS = (
+  "t5x_lite.train",
+  "t5x_lite.eval",
+  "t5x_lite.infer",
+  "tools/benchmark.py",
+)
+MALLOC_HUGE_PAGES = "glibc.malloc.hugetlb=1"
+TRANSPARENT_HUGE_PAGES = "/sys/kernel/mm/transparent_hugepage/enabled"
 # Copies stdin to stderr without the lines that contain an argument.
 _LINE_FILTER = """
 import sys
@@ -66,6 +86,66 @@ for line in sys.stdin.buffer:
     sys.stderr.buffer.write(line)
     sys.stderr.buffer.flush()
 """
+
+
+def huge_page_tunables(environ: Mapping[str, str], glibc_version: str, thp_mode: str) -> str | None:
+  """GLIBC_TUNABLES with `MALLOC_HUGE_PAGES` added, or None where it would not apply.
+
+  Args:
+    environ: the current environment.
+    glibc_version: `os.confstr('CS_GNU_LIBC_VERSION')`, e.g. 'glibc 2.36' ('' if none).
+    thp_mode: /sys/kernel/mm/transparent_hugepage/enabled, e.g. 'always [madvise] never'.
+
+  Returns:
+    The new GLIBC_TUNABLES value; None if the environment already names
+    `glibc.malloc.hugetlb`, glibc is older than 2.35 (no such tunable), or
+    transparent huge pages are off.
+  """
+  current = environ.get("GLIBC_TUNABLES", "")
+  if "glibc.malloc.hugetlb=" in current:
+    return None
+  name, _, version = glibc_version.partition(" ")
+  try:
+    major, minor = (int(part) for part in version.split(".")[:2])
+  except ValueError:
+    return None
+  if name != "glibc" or (major, minor) < (2, 35) or "[" not in thp_mode or "[never]" in thp_mode:
+    return None
+  return ":".join(part for part in (current, MALLOC_HUGE_PAGES) if part)
+
+
+def _main_entry_point() -> str:
+  """`__main__` as 'package.module' (python -m) or 'dir/script.py' (a script path)."""
+  main = sys.modules.get("__main__")
+  spec = getattr(main, "__spec__", None)
+  if spec is not None:
+    return spec.name
+  path = getattr(main, "__file__", None)
+  if not path:
+    return ""
+  head, script = os.path.split(os.path.abspath(path))
+  return f"{os.path.basename(head)}/{script}"
+
+
+def restart_with_huge_page_malloc() -> None:
+  """Restarts an entry point once with `huge_page_tunables` (see the module docstring)."""
+  if not sys.platform.startswith("linux") or _main_entry_point() not in HUGE_PAGE_ENTRY_POINTS:
+    return
+  try:
+    glibc_version = os.confstr("CS_GNU_LIBC_VERSION") or ""
+  except (ValueError, OSError):  # not glibc
+    return
+  try:
+    with open(TRANSPARENT_HUGE_PAGES) as f:
+      thp_mode = f.read()
+  except OSError:
+    return
+  tunables = huge_page_tunables(os.environ, glibc_version, thp_mode)
+  if tunables is None:
+    return
+  sys.stdout.flush()
+  sys.stderr.flush()
+  os.execve(sys.executable, sys.orig_argv, {**os.environ, "GLIBC_TUNABLES": tunables})
 
 
 def has_accelerator() -> bool:
@@ -191,6 +271,7 @@ def quiet_library_logs() -> None:
     handler.addFilter(_QuietLibraryInfo())
 
 
+restart_with_huge_page_malloc()
 # The user's TF_CPP_MIN_LOG_LEVEL (read before the defaults are set) turns the filter off.
 _FILTER_IMPORT = "TF_CPP_MIN_LOG_LEVEL" not in os.environ and "tensorflow" not in sys.modules
 os.environ.update(default_environment(os.environ, has_accelerator()))

@@ -75,3 +75,60 @@ def test_tensorflow_import_prints_no_cuda_stub_lines():
   result = _python("from t5x_lite import console\nimport tensorflow")
   assert result.returncode == 0, result.stderr
   assert not any(noise in result.stderr for noise in console.TENSORFLOW_IMPORT_NOISE), result.stderr
+
+
+def test_huge_page_tunables_are_added_only_where_glibc_and_the_kernel_take_them():
+  thp = "always [madvise] never"
+  assert console.huge_page_tunables({}, "glibc 2.36", thp) == "glibc.malloc.hugetlb=1"
+  # The user's other tunables stay; theirs for hugetlb (even =0) wins.
+  user = {"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"}
+  assert (
+    console.huge_page_tunables(user, "glibc 2.39", "[always] madvise never")
+    == "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1"
+  )
+  assert (
+    console.huge_page_tunables({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"}, "glibc 2.36", thp)
+    is None
+  )
+  assert console.huge_page_tunables({}, "glibc 2.34", thp) is None  # no such tunable yet
+  assert console.huge_page_tunables({}, "glibc 2.36", "always madvise [never]") is None
+  assert console.huge_page_tunables({}, "", thp) is None  # not glibc (musl, macOS)
+
+
+def _huge_pages_available() -> bool:
+  try:
+    with open(console.TRANSPARENT_HUGE_PAGES) as f:
+      thp = f.read()
+    glibc = os.confstr("CS_GNU_LIBC_VERSION") or ""
+  except (OSError, ValueError):
+    return False
+  return console.huge_page_tunables({}, glibc, thp) is not None
+
+
+@pytest.mark.skipif(
+  not _huge_pages_available(), reason="needs glibc >= 2.35 and transparent huge pages"
+)
+def test_entry_point_restarts_itself_once_with_huge_page_malloc():
+  # The child poses as `python -m t5x_lite.infer` (its __main__ spec), then imports
+  # console first, as the entry points do: it runs twice, in the same process.
+  code = (
+    "import importlib.util, os, sys\n"
+    "sys.modules['__main__'].__spec__ = importlib.util.find_spec('t5x_lite.infer')\n"
+    "print(os.getpid(), os.environ.get('GLIBC_TUNABLES'), flush=True)\n"
+    "from t5x_lite import console\n"
+    "print('after', flush=True)\n"
+  )
+  environ = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
+  result = subprocess.run(
+    [sys.executable, "-c", code], cwd=REPO, env=environ, capture_output=True, text=True, timeout=120
+  )
+  assert result.returncode == 0, result.stderr
+  first, second, after = result.stdout.splitlines()
+  assert first.split()[1] == "None"
+  assert second.split() == [first.split()[0], "glibc.malloc.hugetlb=1"]
+  assert after == "after"
+  # Any other __main__ (a test, a notebook, a user's script) is left alone.
+  plain = _python(
+    "import os\nfrom t5x_lite import console\nprint(os.environ.get('GLIBC_TUNABLES'))"
+  )
+  assert plain.stdout.split() == [os.environ.get("GLIBC_TUNABLES", "None")]

@@ -30,7 +30,9 @@ same sizes (T5 1.1 configs only), with its own random weights, and times T5X's T
 train step (Adafactor from the gin file, same learning rate) under
 PjitPartitioner(num_partitions=1), and T5X's own decoding (`predict_batch_with_aux` with
 `decoding.temperature_sample` at temperature 0, and `decoding.beam_search`), at the same
-shapes, dtype, repetitions, CPUs and XLA_FLAGS (ours, `cli.CPU_XLA_FLAGS` included). Its embedding
+shapes, dtype, repetitions, CPUs, XLA_FLAGS (ours, `cli.CPU_XLA_FLAGS` included) and
+GLIBC_TUNABLES (huge-page malloc, which this tool, like the entry points, restarts with;
+HF runs in this process, so it has it too). Its embedding
 is a gather (`--t5x_one_hot=false`, T5X's faster choice; the shipped gin is one-hot).
 Its MFU is over a matmul peak measured in its process the same way.
 
