@@ -254,3 +254,13 @@ def test_t5x_peer_measures_t5x(tmp_path):
   assert figures["t5x_greedy_tokens_shape"] == figures["t5x_beam_tokens_shape"] == [2, 3]
   assert figures["t5x_one_hot"] is False
   assert "ours/T5X" in proc.stdout
+
+
+def test_time_in_turn_warms_up_each_then_alternates():
+  calls = []
+  fns = {name: (lambda name=name: calls.append(name)) for name in ("", "hf_")}
+  timed = benchmark.time_in_turn(fns, reps=3, warmup=2)
+  assert calls == ["", "", "hf_", "hf_"] + ["", "hf_"] * 3
+  assert set(timed) == {"", "hf_"}
+  for seconds, times in timed.values():
+    assert len(times) == 3 and seconds == sorted(times)[1]

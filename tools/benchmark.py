@@ -5,7 +5,9 @@ Measures, after warm-up, the median over --reps repetitions of:
     `trainer.make_train_step`; HF is `T5ForConditionalGeneration` with
     `transformers.optimization.Adafactor` (scale_parameter=True, relative_step=False,
     warmup_init=False, clip_threshold=1.0, decay_rate=-0.8, beta1=None: T5's settings,
-    as in our `optimizers.adafactor`) at the same constant learning rate;
+    as in our `optimizers.adafactor`) at the same constant learning rate. The two
+    steps are timed in turn, one of each per repetition after both warm-ups, so that
+    a machine whose speed drifts (shared VMs do, by 20% within minutes) slows both;
   * MFU = model FLOP/s (`t5x_lite.flops`) / peak matmul FLOP/s, the peak measured here
     with a large matmul in the same dtype in jax (`throughput.measure_matmul_flops`, as
     training does on CPU; used for our MFU) and torch (HF's);
@@ -159,6 +161,23 @@ def time_median(fn: Callable[[], Any], reps: int, warmup: int) -> tuple[float, l
   return statistics.median(times), times
 
 
+def time_in_turn(
+  fns: dict[str, Callable[[], Any]], reps: int, warmup: int
+) -> dict[str, tuple[float, list[float]]]:
+  """`time_median` of each fn, timed in turn: after each one's warm-up, rounds of one
+  call of each, so that a machine whose speed drifts slows every side alike."""
+  for fn in fns.values():
+    for _ in range(warmup):
+      fn()
+  times: dict[str, list[float]] = {name: [] for name in fns}
+  for _ in range(reps):
+    for name, fn in fns.items():
+      start = time.perf_counter()
+      fn()
+      times[name].append(time.perf_counter() - start)
+  return {name: (statistics.median(t), t) for name, t in times.items()}
+
+
 def max_rss_mib() -> float:
   """Peak resident memory of this process so far, MiB (Linux reports KiB)."""
   return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
@@ -219,10 +238,14 @@ def make_model(config: network.T5Config) -> models.EncoderDecoderModel:
   return models.EncoderDecoderModel(network.Transformer(config), vocab, vocab)
 
 
-def measure_ours_train(
+def prepare_ours_train(
   s: Settings, model: models.EncoderDecoderModel, params_out: dict
-) -> dict[str, float]:
-  """Trains with the real train step; stores the initial params (numpy) in params_out."""
+) -> tuple[Callable[[], None], dict[str, float]]:
+  """Our real train step, compiled and called once: (one more step, compile figures).
+
+  Stores the initial params (numpy) in params_out; the step raises if its loss is not
+  finite.
+  """
   partitioner = partitioning.Partitioner()
   optimizer = optimizers.adafactor(learning_rate=s.learning_rate)
   state, shardings = trainer.init_train_state(model, optimizer, jax.random.PRNGKey(0), partitioner)
@@ -239,25 +262,17 @@ def measure_ours_train(
 
   jax.monitoring.register_event_duration_secs_listener(on_event)
   holder = {"state": state}
-  start = time.perf_counter()
-  holder["state"], metrics = step(holder["state"], batch, rng)
-  jax.block_until_ready(metrics)
-  first_call = time.perf_counter() - start
-  jax.monitoring.unregister_event_duration_listener(on_event)
 
   def run() -> None:
     holder["state"], metrics = step(holder["state"], batch, rng)
-    jax.block_until_ready(metrics)
+    if not np.isfinite(float(metrics["loss"])):  # also waits for the step
+      raise RuntimeError("our train step produced a non-finite loss")
 
-  seconds, times = time_median(run, s.reps, max(s.warmup - 1, 0))
-  if not np.isfinite(float(metrics["loss"])):
-    raise RuntimeError("our train step produced a non-finite loss")
-  return {
-    "train_step_s": seconds,
-    "train_step_times_s": times,
-    "train_compile_s": sum(compile_seconds),
-    "train_first_call_s": first_call,
-  }
+  start = time.perf_counter()
+  run()
+  first_call = time.perf_counter() - start
+  jax.monitoring.unregister_event_duration_listener(on_event)
+  return run, {"train_compile_s": sum(compile_seconds), "train_first_call_s": first_call}
 
 
 def measure_ours_decode(
@@ -316,8 +331,8 @@ def _autocast(s: Settings) -> Any:
   return torch.autocast(_hf_device(), dtype=torch.bfloat16)
 
 
-def measure_hf_train(s: Settings, hf_model: Any) -> dict[str, float]:
-  """HF training step (forward, backward, Adafactor) on the same shapes."""
+def prepare_hf_train(s: Settings, hf_model: Any) -> Callable[[], None]:
+  """One HF training step (forward, backward, Adafactor) on the same shapes, as a call."""
   import torch
   from transformers.optimization import Adafactor
 
@@ -348,8 +363,7 @@ def measure_hf_train(s: Settings, hf_model: Any) -> dict[str, float]:
     optimizer.zero_grad(set_to_none=True)
     loss.item()  # waits for the step
 
-  seconds, times = time_median(run, s.reps, s.warmup)
-  return {"hf_train_step_s": seconds, "hf_train_step_times_s": times}
+  return run
 
 
 def measure_hf_decode(s: Settings, hf_model: Any, inputs: np.ndarray) -> dict[str, Any]:
@@ -535,8 +549,10 @@ def run_benchmark(s: Settings) -> dict[str, Any]:
   raw["jax_peak_flops"] = throughput.measure_matmul_flops(s.matmul_size, dtype, s.reps)
   model = make_model(s.config)
   holder: dict[str, Any] = {}
+  train_steps: dict[str, Callable[[], None]] = {}  # by key prefix: "" ours, "hf_"
   if "train" not in s.skip:
-    raw.update(measure_ours_train(s, model, holder))
+    train_steps[""], compile_figures = prepare_ours_train(s, model, holder)
+    raw.update(compile_figures)
   else:
     holder["params"] = jax.device_get(nn.meta.unbox(model.init_params(jax.random.PRNGKey(0))))
   raw["num_params"] = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(holder["params"]))
@@ -559,7 +575,9 @@ def run_benchmark(s: Settings) -> dict[str, Any]:
         np.mean(ours_decode["greedy_tokens"] == hf_decode["hf_greedy_tokens"])
       )
     if "train" not in s.skip:
-      raw.update(measure_hf_train(s, hf_model))
+      train_steps["hf_"] = prepare_hf_train(s, hf_model)
+  for prefix, (seconds, times) in time_in_turn(train_steps, s.reps, s.warmup).items():
+    raw[f"{prefix}train_step_s"], raw[f"{prefix}train_step_times_s"] = seconds, times
   if s.data_task and "data" not in s.skip:
     raw.update(measure_data(s))
   raw["max_rss_mib"] = max_rss_mib()
