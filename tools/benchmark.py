@@ -151,14 +151,7 @@ class Settings:
 
 def time_median(fn: Callable[[], Any], reps: int, warmup: int) -> tuple[float, list[float]]:
   """Median wall seconds of `fn()` (which must block until its work is done)."""
-  for _ in range(warmup):
-    fn()
-  times = []
-  for _ in range(reps):
-    start = time.perf_counter()
-    fn()
-    times.append(time.perf_counter() - start)
-  return statistics.median(times), times
+  return time_in_turn({"": fn}, reps, warmup)[""]
 
 
 def time_in_turn(
