@@ -20,8 +20,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from t5x_lite import layers
-from t5x_lite.network import Decoder, T5Config
+from t5x_lite.network import Decoder, T5Config, token_embedder
 
 Array = jax.Array
 
@@ -41,9 +40,7 @@ class DecoderOnlyTransformer(nn.Module):
       raise ValueError(
         f'DecoderOnlyTransformer needs a decoder-only config, got {cfg.architecture!r}'
       )
-    self.token_embedder = layers.Embed(
-      cfg.vocab_size, cfg.emb_dim, cfg.activation_dtype, cfg.parameter_dtype
-    )
+    self.token_embedder = token_embedder(cfg)
     self.decoder = Decoder(cfg, self.token_embedder)
 
   def __call__(
@@ -57,6 +54,7 @@ class DecoderOnlyTransformer(nn.Module):
     decode: bool = False,
     prefill: bool = False,
     max_decode_length: int | None = None,
+    output_hidden: bool = False,
   ) -> Array:
     """Float32 logits [batch, length, vocab] (length 1 in a decode step).
 
@@ -79,6 +77,8 @@ class DecoderOnlyTransformer(nn.Module):
         row, attending to the cache.
       prefill: see `decode`.
       max_decode_length: cache length in the cache-creating call.
+      output_hidden: return the final hidden states [batch, length, embed] instead of
+        the logits (`network.apply_logits_head` maps them to logits).
     """
     cfg = self.config
     if cfg.architecture == 'decoder_only':
@@ -95,6 +95,7 @@ class DecoderOnlyTransformer(nn.Module):
       max_decode_length=max_decode_length,
       decoder_causal_attention=decoder_causal_attention,
       prefill=prefill,
+      output_hidden=output_hidden,
     )
 
 

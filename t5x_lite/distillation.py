@@ -164,7 +164,8 @@ class DistillationModel(models.EncoderDecoderModel):
     kl = soft_target_kl(logits, self._teacher_logits(teacher_params, batch), self.temperature)
     soft = jnp.sum(kl * weights) / factor
     loss = self.alpha * self.temperature**2 * soft + (1.0 - self.alpha) * hard
-    sums = losses.metric_sums(logits, batch, weights, hard, z_loss)
+    correct = losses.token_correct(logits, batch["decoder_target_tokens"])
+    sums = losses.metric_sums(correct, batch, weights, hard, z_loss)
     return loss, {**sums, "loss": loss, "distill_kl": soft}
 
   @staticmethod
@@ -196,7 +197,8 @@ def build_distillation_model(
 
   Raises:
     ConfigError: alpha or temperature out of range, a decoder-only student or
-      teacher, or the teacher's vocabulary size differs from the student's.
+      teacher, the teacher's vocabulary size differs from the student's, or the
+      student's loss is chunked (`EncoderDecoderModel.loss_chunk_length`).
     CheckpointNotFoundError / CorruptCheckpointError: a bad teacher path.
   """
   if not 0.0 <= alpha <= 1.0:
@@ -215,6 +217,11 @@ def build_distillation_model(
         f"Distillation needs encoder-decoder models; the {role} is T5Config.architecture "
         f"{architecture!r}."
       )
+  if student.loss_chunk_length:
+    raise ConfigError(
+      "Distillation compares the student's whole logits with the teacher's; unset "
+      f"EncoderDecoderModel.loss_chunk_length (it is {student.loss_chunk_length})."
+    )
   if teacher.vocab_size != student.module.config.vocab_size:
     raise ConfigError(
       f"The teacher {teacher_checkpoint_path} has vocab_size {teacher.vocab_size} and the "

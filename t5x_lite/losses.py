@@ -13,12 +13,15 @@ Pure functions (no jit, no mesh), following T5X's `t5x/losses.py`:
   'NUM_REAL_TARGET_TOKENS', 'NUM_TOTAL_TARGET_TOKENS', 'AVERAGE_PER_SEQUENCE') into a
   factor and per-token weights for a whole batch. The trainer computes them once for
   the full batch so that gradient accumulation over microbatches stays exact.
+* `chunked_cross_entropy` is the same loss computed from the output layer's input a
+  few target positions at a time, so the [batch, length, vocab] logits and their
+  gradient never exist whole (`EncoderDecoderModel.loss_chunk_length`).
 * `metric_sums` / `finalize_metrics`: metrics are carried as sums (they add across
   microbatches and devices) and turned into ratios once at the end.
 """
 
 import functools
-from typing import Mapping, Union
+from typing import Callable, Mapping, Union
 
 import jax
 import jax.numpy as jnp
@@ -165,6 +168,73 @@ def compute_weighted_cross_entropy(
   return jnp.sum(total_loss), jnp.sum(total_z_loss), weight_sum
 
 
+def chunked_cross_entropy(
+  logits_fn: Callable[[jax.Array], jax.Array],
+  hidden: jax.Array,
+  targets: jax.Array,
+  weights: jax.Array,
+  chunk_length: int,
+  label_smoothing: float = 0.0,
+  z_loss: float = 0.0,
+  loss_normalizing_factor: float | jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """`compute_weighted_cross_entropy` of `logits_fn(hidden)`, `chunk_length` positions
+  at a time, without ever holding the whole [batch, length, vocab] logits.
+
+  A scan over chunks of the length axis; each chunk's logits are recomputed in the
+  backward pass (`jax.checkpoint`), so the forward keeps only the hidden states and
+  the backward holds one chunk's logits and their gradient at a time. The batch axis
+  stays whole, so a batch sharded over devices stays sharded. The tail chunk is padded
+  with weight-0 positions.
+
+  Args:
+    logits_fn: hidden [batch, chunk_length, embed] -> float32 logits
+      [batch, chunk_length, vocab] (the output layer; it may close over params).
+    hidden: [batch, length, embed] the output layer's input.
+    targets: [batch, length] int target ids.
+    weights: [batch, length] per-token weights.
+    chunk_length: target positions per chunk, >= 1.
+    label_smoothing, z_loss, loss_normalizing_factor: as `compute_weighted_cross_entropy`.
+
+  Returns:
+    (loss, z_loss_sum, correct): the scalar loss and z-loss part as
+    `compute_weighted_cross_entropy` returns them, and `token_correct` [batch, length].
+  """
+  batch, length = targets.shape
+  chunks = -(-length // chunk_length)
+  pad = chunks * chunk_length - length
+
+  def split(x: jax.Array) -> jax.Array:
+    """[batch, length, ...] -> [chunks, batch, chunk_length, ...]"""
+    x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+    x = x.reshape((batch, chunks, chunk_length) + x.shape[2:])
+    return jnp.swapaxes(x, 0, 1)
+
+  @jax.checkpoint
+  def chunk_loss(h: jax.Array, t: jax.Array, w: jax.Array) -> tuple[jax.Array, ...]:
+    logits = logits_fn(h)  # [batch, chunk_length, vocab]
+    loss, z, _ = compute_weighted_cross_entropy(
+      logits, t, w, label_smoothing, z_loss, loss_normalizing_factor
+    )
+    return loss, z, token_correct(logits, t)
+
+  def body(totals: tuple[jax.Array, jax.Array], xs: tuple[jax.Array, ...]):
+    loss, z, correct = chunk_loss(*xs)
+    return (totals[0] + loss, totals[1] + z), correct
+
+  zero = jnp.zeros((), jnp.float32)
+  (loss, z), correct = jax.lax.scan(
+    body, (zero, zero), (split(hidden), split(targets), split(weights.astype(jnp.float32)))
+  )  # correct: [chunks, batch, chunk_length]
+  correct = jnp.swapaxes(correct, 0, 1).reshape(batch, chunks * chunk_length)[:, :length]
+  return loss, z, correct
+
+
+def token_correct(logits: jax.Array, targets: jax.Array) -> jax.Array:
+  """[batch, length] bool: the logits' argmax is the target."""
+  return jnp.argmax(logits, axis=-1) == targets
+
+
 def sum_weights_per_segment(segment_ids: jax.Array, weights: jax.Array) -> jax.Array:
   """For every position, the summed weight of the packed segment it belongs to.
 
@@ -267,7 +337,7 @@ def count_sequences(batch: Mapping[str, jax.Array]) -> jax.Array:
 
 
 def metric_sums(
-  logits: jax.Array,
+  correct: jax.Array,
   batch: Mapping[str, jax.Array],
   weights: jax.Array,
   loss: jax.Array,
@@ -276,7 +346,7 @@ def metric_sums(
   """Additive metric statistics for one (micro)batch; see `finalize_metrics`.
 
   Args:
-    logits: [batch, length, vocab] teacher-forced logits.
+    correct: [batch, length] bool, `token_correct` of the teacher-forced logits.
     batch: the features (`decoder_target_tokens`, `encoder_input_tokens`, ...).
     weights: [batch, length] loss weights actually used.
     loss: scalar normalised loss (including z-loss).
@@ -286,7 +356,7 @@ def metric_sums(
     Dict of float32 scalars that can be summed over microbatches.
   """
   targets = batch["decoder_target_tokens"]
-  correct = (jnp.argmax(logits, axis=-1) == targets).astype(jnp.float32)  # [batch, length]
+  correct = correct.astype(jnp.float32)  # [batch, length]
   nonpadding = (targets > 0).astype(jnp.float32)
   return {
     "loss": loss,

@@ -48,6 +48,13 @@ class EncoderDecoderModel:
     label_smoothing: T5X label smoothing amount.
     loss_normalizing_factor: None (sum over tokens), a number, or one of
       `losses.SPECIAL_LOSS_NORMALIZING_FACTORS`.
+    loss_chunk_length: None computes the loss from the whole teacher-forced logits
+      [batch, target_len, vocab]; a number n computes logits and loss n target
+      positions at a time (`losses.chunked_cross_entropy`), recomputing each chunk's
+      logits in the backward pass, so that neither the float32 logits nor their
+      gradient is ever held whole: 14 MiB per target row at 114 positions and T5's
+      32128 ids. The same loss and gradients up to float rounding, for one more
+      output-layer matmul per step.
   """
 
   def __init__(
@@ -58,13 +65,24 @@ class EncoderDecoderModel:
     z_loss: float = 1e-4,
     label_smoothing: float = 0.0,
     loss_normalizing_factor: losses.LossNormalizingFactor = None,
+    loss_chunk_length: int | None = None,
   ):
+    if loss_chunk_length is not None and (
+      isinstance(loss_chunk_length, bool)
+      or not isinstance(loss_chunk_length, int)
+      or loss_chunk_length < 1
+    ):
+      raise ConfigError(
+        "EncoderDecoderModel.loss_chunk_length must be None or a positive integer, got "
+        f"{loss_chunk_length!r}."
+      )
     self.module = module
     self.input_vocabulary = input_vocabulary
     self.output_vocabulary = output_vocabulary
     self.z_loss = z_loss
     self.label_smoothing = label_smoothing
     self.loss_normalizing_factor = loss_normalizing_factor
+    self.loss_chunk_length = loss_chunk_length
 
   # ------------------------------------------------------------------ init
 
@@ -138,9 +156,24 @@ class EncoderDecoderModel:
       (loss, metric sums) — `finalize_metrics` turns the sums into metrics.
     """
     factor, weights = normalization or self.loss_normalization(batch)
-    logits = self._logits(params, batch, dropout_rng)
-    loss, z_loss = self._cross_entropy(logits, batch, weights, factor)
-    return loss, losses.metric_sums(logits, batch, weights, loss, z_loss)
+    targets = batch["decoder_target_tokens"]
+    if self.loss_chunk_length:
+      hidden = teacher_forced_logits(self.module, params, batch, dropout_rng, output_hidden=True)
+      loss, z_loss, correct = losses.chunked_cross_entropy(
+        functools.partial(network.apply_logits_head, self.module.config, params),
+        hidden,
+        targets,
+        weights,
+        self.loss_chunk_length,
+        label_smoothing=self.label_smoothing,
+        z_loss=self.z_loss,
+        loss_normalizing_factor=factor,
+      )
+    else:
+      logits = self._logits(params, batch, dropout_rng)
+      loss, z_loss = self._cross_entropy(logits, batch, weights, factor)
+      correct = losses.token_correct(logits, targets)
+    return loss, losses.metric_sums(correct, batch, weights, loss, z_loss)
 
   @staticmethod
   def finalize_metrics(sums: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
@@ -414,10 +447,14 @@ def teacher_forced_logits(
   params: PyTree,
   batch: Batch,
   dropout_rng: jax.Array | None,
+  *,
+  output_hidden: bool = False,
 ) -> jax.Array:
   """`module`'s float32 logits [batch, target_len, vocab] on a batch of
   EncDecFeatureConverter (or, for a decoder-only module, DecoderFeatureConverter)
-  features, packing ones included; dropout iff `dropout_rng`."""
+  features, packing ones included; dropout iff `dropout_rng`. `output_hidden`: the
+  decoder's final hidden states [batch, target_len, embed] instead, the input of
+  `network.apply_logits_head`."""
   rngs = None if dropout_rng is None else {"dropout": dropout_rng}
   if isinstance(module, decoder_only.DecoderOnlyTransformer):
     return module.apply(
@@ -428,6 +465,7 @@ def teacher_forced_logits(
       decoder_positions=batch.get("decoder_positions"),
       decoder_causal_attention=batch.get("decoder_causal_attention"),
       enable_dropout=dropout_rng is not None,
+      output_hidden=output_hidden,
       rngs=rngs,
     )
   return module.apply(
@@ -440,6 +478,7 @@ def teacher_forced_logits(
     encoder_positions=batch.get("encoder_positions"),
     decoder_positions=batch.get("decoder_positions"),
     enable_dropout=dropout_rng is not None,
+    output_hidden=output_hidden,
     rngs=rngs,
   )
 

@@ -211,6 +211,55 @@ class Encoder(nn.Module):
     return nn.with_logical_constraint(x, ('batch', 'length', 'embed'))
 
 
+def token_embedder(config: T5Config) -> layers.Embed:
+  """The token embedding shared by the encoder, the decoder and tied logits."""
+  return layers.Embed(
+    config.vocab_size, config.emb_dim, config.activation_dtype, config.parameter_dtype
+  )
+
+
+def _logits_dense(config: T5Config, name: str | None = None) -> layers.Projection:
+  """The untied output layer (T5 1.1): [..., embed] -> float32 [..., vocab]."""
+  return layers.Projection(
+    (config.emb_dim, config.vocab_size),
+    '...e,ev->...v',
+    ('embed', 'vocab'),
+    layers.mlp_kernel_init(),
+    config.activation_dtype,
+    config.parameter_dtype,
+    out_dtype=jnp.float32,
+    name=name,
+  )
+
+
+def apply_logits_head(config: T5Config, params: Any, hidden: Array) -> Array:
+  """The decoder's output layer on its final hidden states, outside the network.
+
+  Computes what the decoder's last step computes (tied: the token embedding's
+  `attend` on hidden / sqrt(emb_dim); untied: `decoder/logits_dense`), from the params
+  of any of the networks (`Transformer`, its shared-layer variant, or
+  `decoder_only.DecoderOnlyTransformer`: all keep `token_embedder` and
+  `decoder/logits_dense` at these paths). `EncoderDecoderModel.loss_chunk_length`
+  applies it to a few target positions at a time.
+
+  Args:
+    config: the network config.
+    params: the network's params (plain or boxed).
+    hidden: [..., length, embed] the decoder's output (`output_hidden=True`).
+
+  Returns:
+    float32 logits [..., length, vocab].
+  """
+  if config.logits_via_embedding:
+    scaled = hidden / jnp.sqrt(config.emb_dim).astype(hidden.dtype)
+    logits = token_embedder(config).apply(
+      {'params': params['token_embedder']}, scaled, method='attend'
+    )
+  else:
+    logits = _logits_dense(config).apply({'params': params['decoder']['logits_dense']}, hidden)
+  return nn.with_logical_constraint(logits, ('batch', 'length', 'vocab'))
+
+
 class Decoder(nn.Module):
   """Embedding, dropout, decoder layers, final norm, dropout, logits.
 
@@ -272,17 +321,7 @@ class Decoder(nn.Module):
     if cfg.logits_via_embedding:
       logits = self.shared_embedding.attend(x / jnp.sqrt(cfg.emb_dim).astype(x.dtype))
     else:
-      # [batch, length, embed] -> [batch, length, vocab]
-      logits = layers.Projection(
-        (cfg.emb_dim, cfg.vocab_size),
-        '...e,ev->...v',
-        ('embed', 'vocab'),
-        layers.mlp_kernel_init(),
-        cfg.activation_dtype,
-        cfg.parameter_dtype,
-        out_dtype=jnp.float32,
-        name='logits_dense',
-      )(x)
+      logits = _logits_dense(cfg, name='logits_dense')(x)
     return nn.with_logical_constraint(logits, ('batch', 'length', 'vocab'))
 
   def _decode_state(
@@ -331,8 +370,13 @@ class Decoder(nn.Module):
     max_decode_length: int | None = None,
     decoder_causal_attention: Array | None = None,
     prefill: bool = False,
+    output_hidden: bool = False,
   ) -> Array:
     """Returns float32 logits [batch, target_len, vocab] (target_len 1 in a decode step).
+
+    With `output_hidden` it stops before the output layer and returns the final hidden
+    states [batch, target_len, embed] (after the final norm and dropout), the input of
+    `apply_logits_head`.
 
     Without `encoded` and `encoder_input_tokens` it is a decoder-only model's stack
     (no cross-attention); `decoder_causal_attention` then marks a prefix LM's
@@ -388,7 +432,7 @@ class Decoder(nn.Module):
     )
     x = blocks.norm(cfg, 'decoder_norm', in_layer=False)(x)
     x = nn.Dropout(rate=cfg.dropout_rate, broadcast_dims=(-2,))(x, deterministic=deterministic)
-    return self._logits(x)
+    return x if output_hidden else self._logits(x)
 
 
 class Transformer(nn.Module):
@@ -404,9 +448,7 @@ class Transformer(nn.Module):
     cfg = self.config
     if cfg.architecture != 'encoder_decoder':
       raise ValueError(f'Transformer is the encoder-decoder; got architecture {cfg.architecture!r}')
-    self.token_embedder = layers.Embed(
-      cfg.vocab_size, cfg.emb_dim, cfg.activation_dtype, cfg.parameter_dtype
-    )
+    self.token_embedder = token_embedder(cfg)
     self.encoder = Encoder(cfg, self.token_embedder)
     self.decoder = Decoder(cfg, self.token_embedder)
 
@@ -434,8 +476,10 @@ class Transformer(nn.Module):
     enable_dropout: bool = True,
     decode: bool = False,
     max_decode_length: int | None = None,
+    output_hidden: bool = False,
   ) -> Array:
-    """Decodes to float32 logits [batch, target_len, vocab].
+    """Decodes to float32 logits [batch, target_len, vocab] (`output_hidden`: the final
+    hidden states [batch, target_len, embed] instead, see `Decoder`).
 
     With decode=True and mutable=['cache']: the first call (no cache yet) creates
     the caches: zero self-attention caches sized by decoder_input_tokens
@@ -455,6 +499,7 @@ class Transformer(nn.Module):
       deterministic=not enable_dropout,
       decode=decode,
       max_decode_length=max_decode_length,
+      output_hidden=output_hidden,
     )
 
   def __call__(
@@ -467,8 +512,10 @@ class Transformer(nn.Module):
     encoder_positions: Array | None = None,
     decoder_positions: Array | None = None,
     enable_dropout: bool = True,
+    output_hidden: bool = False,
   ) -> Array:
-    """Teacher-forced logits [batch, target_len, vocab] (float32)."""
+    """Teacher-forced logits [batch, target_len, vocab] (float32); `output_hidden`: the
+    decoder's final hidden states [batch, target_len, embed] instead."""
     encoded = self.encode(
       encoder_input_tokens, encoder_segment_ids, encoder_positions, enable_dropout
     )
@@ -481,6 +528,7 @@ class Transformer(nn.Module):
       decoder_segment_ids,
       decoder_positions,
       enable_dropout,
+      output_hidden=output_hidden,
     )
 
 

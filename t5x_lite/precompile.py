@@ -368,6 +368,8 @@ def advice(report: PrecompileReport) -> str:
     "  - rematerialisation: --gin.T5Config.remat_policy=minimal (or full) recomputes "
     "activations in the backward pass; bfloat16 activations "
     "(--gin.T5Config.dtype=bfloat16) halve them;\n"
+    "  - a chunked loss: --gin.EncoderDecoderModel.loss_chunk_length=N computes the "
+    "logits N target positions at a time, never the whole float32 [batch, length, vocab];\n"
     "  - microbatches: --gin.train.num_microbatches=K accumulates gradients over K "
     "slices of the batch (the per-chip batch must divide by K);\n"
     "  - or a bigger slice (more chips) / a generation with more HBM."

@@ -248,6 +248,13 @@ def test_bad_teacher_or_settings_are_one_line_errors(tmp_path):
       distillation.build_distillation_model(**kwargs, **build)
     lines = [line for line in str(e.value).splitlines() if "In call to configurable" not in line]
     assert len(lines) == 1, str(e.value)  # gin's note is dropped by `errors.fail`
+  gin.bind_parameter("EncoderDecoderModel.loss_chunk_length", 16)
+  _save_teacher(tmp_path / "same_vocab", tiny_checkpoint_config())
+  with pytest.raises(errors.ConfigError, match="unset EncoderDecoderModel.loss_chunk_length"):
+    distillation.build_distillation_model(
+      teacher_checkpoint_path=str(tmp_path / "same_vocab"), **build
+    )
+  gin.clear_config()
   decoder_only = tiny_checkpoint_config(
     vocab_size=384, architecture="decoder_only", num_encoder_layers=0
   )

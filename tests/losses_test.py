@@ -155,7 +155,8 @@ def test_metric_sums_and_finalize():
   np.put_along_axis(logits, predictions[..., None], 5.0, -1)
   full = dict(batch, encoder_input_tokens=jnp.asarray([[3, 1, 0], [4, 4, 1]]))
   weights = jnp.asarray(targets > 0, jnp.float32)
-  sums = losses.metric_sums(jnp.asarray(logits), full, weights, jnp.array(2.0), jnp.array(0.5))
+  correct = losses.token_correct(jnp.asarray(logits), jnp.asarray(targets))
+  sums = losses.metric_sums(correct, full, weights, jnp.array(2.0), jnp.array(0.5))
   metrics = losses.finalize_metrics(sums)
   assert float(metrics["accuracy"]) == pytest.approx(8 / 9)
   assert float(metrics["nonpadding_fraction"]) == pytest.approx(9 / 12)
@@ -165,3 +166,58 @@ def test_metric_sums_and_finalize():
   assert float(metrics["cross_ent_loss"]) == pytest.approx(1.5)
   packed = dict(full, decoder_segment_ids=jnp.asarray(segments))
   assert float(losses.count_sequences(packed)) == 3.0
+
+
+@pytest.mark.parametrize("chunk_length", [1, 3, 5, 8])
+def test_chunked_cross_entropy_equals_the_whole_logits_loss_and_gradients(chunk_length):
+  rng = np.random.RandomState(3)
+  batch, length, embed, vocab = 3, 5, 6, 11
+  hidden = jnp.asarray(rng.randn(batch, length, embed), jnp.float32)
+  kernel = jnp.asarray(rng.randn(embed, vocab), jnp.float32)
+  targets = jnp.asarray(rng.randint(1, vocab, size=(batch, length)), jnp.int32)
+  weights = jnp.asarray(rng.rand(batch, length) * (rng.rand(batch, length) > 0.3), jnp.float32)
+  options = dict(label_smoothing=0.1, z_loss=1e-3, loss_normalizing_factor=7.0)
+
+  def whole(h, k):
+    logits = h @ k  # [batch, length, vocab]
+    loss, z, _ = losses.compute_weighted_cross_entropy(logits, targets, weights, **options)
+    return loss, (z, losses.token_correct(logits, targets))
+
+  def chunked(h, k):
+    loss, z, correct = losses.chunked_cross_entropy(
+      lambda x: x @ k, h, targets, weights, chunk_length, **options
+    )
+    return loss, (z, correct)
+
+  (loss, (z, correct)), grads = jax.value_and_grad(whole, (0, 1), has_aux=True)(hidden, kernel)
+  (loss_c, (z_c, correct_c)), grads_c = jax.jit(jax.value_and_grad(chunked, (0, 1), has_aux=True))(
+    hidden, kernel
+  )
+  np.testing.assert_allclose(loss_c, loss, rtol=1e-6)
+  np.testing.assert_allclose(z_c, z, rtol=1e-6)
+  np.testing.assert_array_equal(correct_c, correct)
+  for g_c, g in zip(grads_c, grads):
+    np.testing.assert_allclose(g_c, g, rtol=1e-5, atol=1e-6)
+
+
+def test_chunked_cross_entropy_never_holds_the_whole_logits():
+  """The compiled gradient's temporaries stay below one [batch, length, vocab] array."""
+  batch, length, embed, vocab = 4, 64, 16, 8192
+  hidden = jax.ShapeDtypeStruct((batch, length, embed), jnp.float32)
+  kernel = jax.ShapeDtypeStruct((embed, vocab), jnp.float32)
+  targets = jnp.ones((batch, length), jnp.int32)
+  weights = jnp.ones((batch, length), jnp.float32)
+  logits_bytes = batch * length * vocab * 4  # 8 MiB
+
+  def temp_bytes(loss_fn) -> int:
+    compiled = jax.jit(jax.grad(loss_fn, (0, 1))).lower(hidden, kernel).compile()
+    return compiled.memory_analysis().temp_size_in_bytes
+
+  def whole(h, k):
+    return losses.compute_weighted_cross_entropy(h @ k, targets, weights)[0]
+
+  def chunked(h, k):
+    return losses.chunked_cross_entropy(lambda x: x @ k, h, targets, weights, 8)[0]
+
+  assert temp_bytes(whole) >= logits_bytes
+  assert temp_bytes(chunked) < logits_bytes / 2

@@ -9,8 +9,8 @@ import pytest
 import seqio
 from flax.core import meta
 
-from t5x_lite import models, network
-from tiny_models import tiny_config
+from t5x_lite import errors, models, network, partitioning
+from tiny_models import tiny_config, train_losses
 
 VOCAB = 64
 EOS = 1
@@ -149,6 +149,62 @@ def test_average_per_sequence_on_packed_batch(model_and_params):
   token_ce = -np.take_along_axis(_np_log_softmax(logits), targets[..., None], -1)[..., 0]
   means = [token_ce[0, :3].mean(), token_ce[0, 3:7].mean(), token_ce[1, :5].mean()]
   np.testing.assert_allclose(float(loss), np.mean(means), rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+  "overrides",
+  [
+    {"dropout_rate": 0.1},
+    {"logits_via_embedding": True},
+    {"share_encoder_decoder": True},
+    {"architecture": "prefix_lm", "num_encoder_layers": 0},
+  ],
+  ids=["untied_dropout", "tied", "shared", "prefix_lm"],
+)
+def test_chunked_loss_equals_the_whole_logits_loss(overrides):
+  """`loss_chunk_length` gives the same loss, metric sums and gradients (packed batch,
+  label smoothing, z-loss, per-sequence normalization, a ragged last chunk)."""
+  config = tiny_config(**overrides)
+  vocab = seqio.PassThroughVocabulary(VOCAB, eos_id=EOS)
+  model_cls = models.EncoderDecoderModel
+  batch = packed_batch()
+  if config.architecture != "encoder_decoder":
+    model_cls = models.DecoderOnlyModel
+    batch = {k: v for k, v in batch.items() if not k.startswith("encoder_")}
+    batch["decoder_causal_attention"] = (batch["decoder_positions"] < 2).astype(jnp.int32)
+  options = dict(label_smoothing=0.1, z_loss=1e-3, loss_normalizing_factor="AVERAGE_PER_SEQUENCE")
+  whole = model_cls(models.network_module(config), vocab, vocab, **options)
+  chunked = model_cls(models.network_module(config), vocab, vocab, loss_chunk_length=3, **options)
+  params = meta.unbox(jax.jit(whole.init_params)(jax.random.PRNGKey(1)))
+  dropout_rng = jax.random.PRNGKey(2) if config.dropout_rate else None
+
+  def loss_and_grads(model):
+    grad_fn = jax.value_and_grad(model.loss_fn, has_aux=True)
+    return jax.jit(grad_fn)(params, batch, dropout_rng)
+
+  (loss, sums), grads = loss_and_grads(whole)
+  (loss_c, sums_c), grads_c = loss_and_grads(chunked)
+  np.testing.assert_allclose(loss_c, loss, rtol=1e-6)
+  jax.tree.map(functools.partial(np.testing.assert_allclose, rtol=1e-6), sums_c, sums)
+  jax.tree.map(functools.partial(np.testing.assert_allclose, rtol=1e-5, atol=1e-7), grads_c, grads)
+
+
+def test_sharded_chunked_training_equals_single_device_whole_logits():
+  """Chunks under a data x model mesh with fsdp (the vocabulary split over 'model')
+  train as the whole logits on one device."""
+  batch = unpacked_batch(4, batch=4)
+  single = partitioning.Partitioner(devices=jax.devices()[:1])
+  reference = train_losses(tiny_model(), batch, single)
+  sharded = partitioning.Partitioner(num_partitions=2, fsdp=True)
+  chunked = train_losses(tiny_model(loss_chunk_length=2), batch, sharded)
+  np.testing.assert_allclose(chunked, reference, rtol=1e-5)
+  assert reference[-1] < reference[0]
+
+
+@pytest.mark.parametrize("value", [0, -2, 2.5, True, "8"])
+def test_bad_loss_chunk_length_is_a_config_error(value):
+  with pytest.raises(errors.ConfigError, match="EncoderDecoderModel.loss_chunk_length"):
+    tiny_model(loss_chunk_length=value)
 
 
 def _predict(model, params, batch, rng=None, **kwargs):

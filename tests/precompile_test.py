@@ -183,7 +183,7 @@ def test_impossible_config_exits_nonzero_with_advice():
   )
   assert result.returncode == 1, result.stdout[-2000:] + result.stderr[-4000:]
   assert "DOES NOT FIT" in result.stdout
-  for advice in ("num_partitions", "fsdp", "remat_policy", "num_microbatches"):
+  for advice in ("num_partitions", "fsdp", "remat_policy", "loss_chunk_length", "num_microbatches"):
     assert advice in result.stderr
 
 
