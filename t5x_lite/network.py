@@ -10,7 +10,7 @@ on a leading 'layers' axis). Optional adapter layers (`adapter_dim`, T5 paper se
 """
 
 import dataclasses
-from typing import Any
+from typing import Any, Callable
 
 import flax.linen as nn
 import gin
@@ -235,8 +235,7 @@ def _logits_dense(config: T5Config, name: str | None = None) -> layers.Projectio
 def apply_logits_head(config: T5Config, params: Any, hidden: Array) -> Array:
   """The decoder's output layer on its final hidden states, outside the network.
 
-  Computes what the decoder's last step computes (tied: the token embedding's
-  `attend` on hidden / sqrt(emb_dim); untied: `decoder/logits_dense`), from the params
+  Computes what the decoder's last step computes (`_output_layer`), from the params
   of any of the networks (`Transformer`, its shared-layer variant, or
   `decoder_only.DecoderOnlyTransformer`: all keep `token_embedder` and
   `decoder/logits_dense` at these paths). `EncoderDecoderModel.loss_chunk_length`
@@ -250,13 +249,33 @@ def apply_logits_head(config: T5Config, params: Any, hidden: Array) -> Array:
   Returns:
     float32 logits [..., length, vocab].
   """
+  return _output_layer(
+    config,
+    hidden,
+    attend=lambda q: token_embedder(config).apply(
+      {'params': params['token_embedder']}, q, method='attend'
+    ),
+    logits_dense=lambda h: _logits_dense(config).apply(
+      {'params': params['decoder']['logits_dense']}, h
+    ),
+  )
+
+
+def _output_layer(
+  config: T5Config,
+  x: Array,
+  attend: Callable[[Array], Array],
+  logits_dense: Callable[[Array], Array],
+) -> Array:
+  """Final hidden states [..., length, embed] -> float32 logits [..., length, vocab].
+
+  Tied (T5 1.0): the token embedding's `attend` on x / sqrt(emb_dim); untied (T5 1.1):
+  the `logits_dense` projection.
+  """
   if config.logits_via_embedding:
-    scaled = hidden / jnp.sqrt(config.emb_dim).astype(hidden.dtype)
-    logits = token_embedder(config).apply(
-      {'params': params['token_embedder']}, scaled, method='attend'
-    )
+    logits = attend(x / jnp.sqrt(config.emb_dim).astype(x.dtype))
   else:
-    logits = _logits_dense(config).apply({'params': params['decoder']['logits_dense']}, hidden)
+    logits = logits_dense(x)
   return nn.with_logical_constraint(logits, ('batch', 'length', 'vocab'))
 
 
@@ -317,12 +336,12 @@ class Decoder(nn.Module):
 
   def _logits(self, x: Array) -> Array:
     """Final hidden states [batch, length, embed] -> float32 logits [batch, length, vocab]."""
-    cfg = self.config
-    if cfg.logits_via_embedding:
-      logits = self.shared_embedding.attend(x / jnp.sqrt(cfg.emb_dim).astype(x.dtype))
-    else:
-      logits = _logits_dense(cfg, name='logits_dense')(x)
-    return nn.with_logical_constraint(logits, ('batch', 'length', 'vocab'))
+    return _output_layer(
+      self.config,
+      x,
+      attend=self.shared_embedding.attend,
+      logits_dense=lambda h: _logits_dense(self.config, name='logits_dense')(h),
+    )
 
   def _decode_state(
     self, decoder_input_tokens: Array, decoder_only: bool, prefill: bool
