@@ -22,8 +22,9 @@ about the run. Imported before either of them loads, this module
 
 * unless the user set TF_CPP_MIN_LOG_LEVEL, drops `TENSORFLOW_IMPORT_NOISE`
   from what the first `import tensorflow` writes to stderr: its shared
-  libraries log `cudart_stub.cc ... Could not find cuda drivers` while
-  loading, before any log level applies. The filter is a separate process,
+  libraries log `cudart_stub.cc ... Could not find cuda drivers` and, on CPUs
+  where TensorFlow turns oneDNN on, `port.cc ... oneDNN custom operations are
+  on` while loading, before any log level applies. The filter is a separate process,
   so a crash during the import still shows everything else it printed.
 
 TF_CPP_MIN_LOG_LEVEL=0 JAX_PLATFORMS= shows everything again.
@@ -67,6 +68,7 @@ ACCELERATOR_DEVICES = ("/dev/accel*", "/dev/vfio/*", "/dev/nvidia*", "/dev/dxg",
 TENSORFLOW_IMPORT_NOISE = (
   "All log messages before absl::InitializeLog() is called are written to STDERR",
   "cudart_stub.cc",
+  "oneDNN custom operations are on",
 )
 # `python -m` modules and scripts (parent dir/name) that restart with huge-page malloc.
 HUGE_PAGE_ENTRY_POINTS = (

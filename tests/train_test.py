@@ -333,6 +333,7 @@ _ENV["XLA_FLAGS"] = xla_flags(devices=2)
 _NOISE = (
   "absl::InitializeLog",
   "cudart_stub.cc",
+  "oneDNN custom operations",
   "cuInit",
   "TPU_ACCELERATOR_TYPE",
   "TPU_WORKER_HOSTNAMES",
