@@ -1,5 +1,7 @@
 """Tests of t5x_lite.layers against hand-derived goldens and numpy references."""
 
+import re
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -209,3 +211,55 @@ def test_projection_merges_batch_and_length_into_tokens_on_cpu_only():
   assert cpu and all("tensor<6x" in line and "2x3x" not in line for line in cpu), cpu
   tpu = _lowered_dots(jax.grad(loss), params, x, platform="tpu")
   assert tpu and all("tensor<2x3x" in line for line in tpu), tpu
+
+
+@pytest.mark.parametrize(
+  "equation, x_shape, kernel_shape, out_dtype",
+  [
+    ("...e,em->...m", (2, 24, 32), (32, 48), None),
+    ("...e,ehd->...hd", (2, 24, 32), (32, 4, 8), None),
+    ("...hd,hde->...e", (2, 24, 4, 8), (4, 8, 32), None),
+    ("...e,ev->...v", (2, 24, 32), (32, 40), jnp.float32),  # untied logits
+    ("...e,em->...m", (16, 1, 32), (32, 48), None),  # one decode step of 16 rows
+  ],
+)
+def test_bfloat16_projection_runs_every_cpu_matmul_in_bfloat16(
+  equation, x_shape, kernel_shape, out_dtype
+):
+  """On CPU a bfloat16 projection and both products of its gradient are plain
+  row-major bfloat16 x bfloat16 -> float32 matmuls (XLA:CPU converted transposed-operand
+  ones to float32 first, at half the speed), with autodiff's values to bfloat16
+  rounding."""
+  x = jax.random.normal(jax.random.PRNGKey(0), x_shape, jnp.bfloat16)
+  kernel = jax.random.normal(jax.random.PRNGKey(1), kernel_shape) * 0.2  # float32 param
+
+  def loss(einsum, x, kernel):
+    out = einsum(equation, x, kernel.astype(jnp.bfloat16), out_dtype)
+    assert out.dtype == (out_dtype or jnp.bfloat16)
+    return jnp.sum(jnp.sin(out.astype(jnp.float32)))
+
+  def autodiff(equation, x, k, out_dtype):
+    return jnp.einsum(equation, x, k, preferred_element_type=out_dtype or jnp.float32).astype(
+      out_dtype or jnp.bfloat16
+    )
+
+  ours = jax.jit(jax.value_and_grad(lambda *a: loss(layers._einsum_over_tokens, *a), (0, 1)))
+  reference = jax.value_and_grad(lambda *a: loss(autodiff, *a), (0, 1))
+  (value, (dx, dk)), (ref_value, (ref_dx, ref_dk)) = ours(x, kernel), reference(x, kernel)
+  assert dx.dtype == jnp.bfloat16 and dk.dtype == jnp.float32
+  np.testing.assert_allclose(value, ref_value, rtol=2e-2)
+  for got, want in ((dx, ref_dx), (dk, ref_dk)):
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    np.testing.assert_allclose(got, want, atol=2e-2 * np.abs(want).max())
+
+  compiled = ours.lower(x, kernel).compile().as_text()
+  dots = 0
+  for block in compiled.split("\n\n"):  # one HLO computation each
+    for line in block.splitlines():
+      if " dot(" not in line:
+        continue
+      dots += 1
+      for name in re.search(r"dot\(%([\w.\-]+), %([\w.\-]+)\)", line).groups():
+        assert re.search(rf"%{re.escape(name)} = bf16\[", block), (name, line)
+      assert "lhs_contracting_dims={1}, rhs_contracting_dims={0}" in line, line
+  assert dots == 3, compiled
