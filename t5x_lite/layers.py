@@ -130,7 +130,7 @@ def _einsum_over_tokens(
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def _matmul_f32_accumulated(x: Array, k: Array, out_dtype: Dtype) -> Array:
-  """bfloat16 [m, n] @ [n, p] -> out_dtype, in the form XLA:CPU runs fastest.
+  """bfloat16 [..., m, n] @ [..., n, p] -> out_dtype, in the form XLA:CPU runs fastest.
 
   XLA:CPU hands a matmul to YNNPACK only in the plain row-major form [m, n] @ [n, p];
   there, bfloat16 operands with a float32 result run at about twice the float32 rate
@@ -158,10 +158,12 @@ def _matmul_f32_accumulated_bwd(
   out_dtype: Dtype, residuals: tuple[Array, Array], g: Array
 ) -> tuple[Array, Array]:
   del out_dtype
-  x, k = residuals  # [m, n], [n, p]
-  g = g.astype(x.dtype)  # [m, p]
-  dx = jnp.matmul(g, _row_major_transpose(k), preferred_element_type=jnp.float32)  # [m, n]
-  dk = jnp.matmul(_row_major_transpose(x), g, preferred_element_type=jnp.float32)  # [n, p]
+  x, k = residuals  # [..., m, n], [..., n, p]
+  g = g.astype(x.dtype)  # [..., m, p]
+  if g.ndim > 2:  # attention's: the transpose of a [batch, q, heads, kv] cotangent
+    g = _row_major(g)
+  dx = jnp.matmul(g, _row_major_transpose(k), preferred_element_type=jnp.float32)  # [..., m, n]
+  dk = jnp.matmul(_row_major_transpose(x), g, preferred_element_type=jnp.float32)  # [..., n, p]
   return dx.astype(x.dtype), dk.astype(k.dtype)
 
 
@@ -169,14 +171,18 @@ _matmul_f32_accumulated.defvjp(_matmul_f32_accumulated_fwd, _matmul_f32_accumula
 
 
 def _row_major_transpose(a: Array) -> Array:
-  """a [m, n] -> a^T [n, m] copied in row-major order.
+  """a [..., m, n] -> [..., n, m], the last two dims swapped, copied in row-major order."""
+  return _row_major(jnp.swapaxes(a, -1, -2))
 
-  A plain transpose feeding a dot is folded into the dot's dimension numbers, or
-  made a column-major layout; the 1-D array behind an optimization barrier has only
-  one layout, so XLA must write the transposed elements in order.
+
+def _row_major(a: Array) -> Array:
+  """a, written out in row-major order.
+
+  A transpose feeding a dot is folded into the dot's dimension numbers, or made a
+  column-major layout; the 1-D array behind an optimization barrier has only one
+  layout, so XLA must write the elements in order.
   """
-  flat = jax.lax.optimization_barrier(a.T.reshape(-1))  # [n * m]
-  return flat.reshape(a.shape[::-1])  # [n, m]
+  return jax.lax.optimization_barrier(a.reshape(-1)).reshape(a.shape)
 
 
 class Embed(nn.Module):
@@ -565,8 +571,31 @@ def dot_product_attention(
     [batch, q, heads, kv].
   """
   kv_axes = 'bhkd' if heads_major_kv else 'bkhd'
+  # On CPU, bfloat16 attention over [batch, k, heads, kv] keys runs both matmuls as
+  # `_matmul_f32_accumulated` (see there), on row-major heads-major copies.
+  bfloat16_cpu = not heads_major_kv and query.dtype == key.dtype == value.dtype == jnp.bfloat16
+
+  def plain_logits(q: Array, k: Array) -> Array:
+    return jnp.einsum(f'bqhd,{kv_axes}->bhqk', q, k, preferred_element_type=logits_dtype)
+
+  def cpu_logits(q: Array, k: Array) -> Array:
+    q = _row_major(jnp.swapaxes(q, 1, 2))  # [batch, heads, q, kv]
+    k = _row_major(jnp.transpose(k, (0, 2, 3, 1)))  # [batch, heads, kv, k]
+    return _matmul_f32_accumulated(q, k, logits_dtype)
+
+  def plain_values(w: Array, v: Array) -> Array:
+    return jnp.einsum(f'bhqk,{kv_axes}->bqhd', w, v)
+
+  def cpu_values(w: Array, v: Array) -> Array:
+    v = _row_major(jnp.swapaxes(v, 1, 2))  # [batch, heads, k, kv]
+    out = _matmul_f32_accumulated(w, v, w.dtype)  # [batch, heads, q, kv]
+    return jnp.swapaxes(out, 1, 2)  # [batch, q, heads, kv]
+
   # [batch, q, heads, kv] x key -> [batch, heads, q, k]
-  logits = jnp.einsum(f'bqhd,{kv_axes}->bhqk', query, key, preferred_element_type=logits_dtype)
+  if bfloat16_cpu:
+    logits = jax.lax.platform_dependent(query, key, cpu=cpu_logits, default=plain_logits)
+  else:
+    logits = plain_logits(query, key)
   for bias in biases:
     logits = logits + bias.astype(logits_dtype)
   weights = jax.nn.softmax(logits, axis=-1).astype(dtype)
@@ -576,7 +605,9 @@ def dot_product_attention(
     keep = jax.random.bernoulli(dropout_rng, keep_prob, keep_shape)
     weights = weights * (keep.astype(dtype) / jnp.asarray(keep_prob, dtype))
   # [batch, heads, q, k] x value -> [batch, q, heads, kv]
-  return jnp.einsum(f'bhqk,{kv_axes}->bqhd', weights, value)
+  if bfloat16_cpu and weights.dtype == jnp.bfloat16:
+    return jax.lax.platform_dependent(weights, value, cpu=cpu_values, default=plain_values)
+  return plain_values(weights, value)
 
 
 class MultiHeadAttention(nn.Module):

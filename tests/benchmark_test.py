@@ -264,3 +264,11 @@ def test_time_in_turn_warms_up_each_then_alternates():
   assert set(timed) == {"", "hf_"}
   for seconds, times in timed.values():
     assert len(times) == 3 and seconds == sorted(times)[1]
+
+
+def test_time_in_turn_settles_each_side_before_its_timed_call():
+  calls = []
+  fns = {name: (lambda name=name: calls.append(name)) for name in ("", "hf_")}
+  timed = benchmark.time_in_turn(fns, reps=2, warmup=1, settle=1)
+  assert calls == ["", "hf_"] + ["", "", "hf_", "hf_"] * 2
+  assert all(len(times) == 2 for _, times in timed.values())

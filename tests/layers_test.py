@@ -252,7 +252,11 @@ def test_bfloat16_projection_runs_every_cpu_matmul_in_bfloat16(
     got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
     np.testing.assert_allclose(got, want, atol=2e-2 * np.abs(want).max())
 
-  compiled = ours.lower(x, kernel).compile().as_text()
+  _assert_plain_bfloat16_dots(ours.lower(x, kernel).compile().as_text(), 3)
+
+
+def _assert_plain_bfloat16_dots(compiled: str, count: int) -> None:
+  """`compiled` (CPU HLO) has `count` dots, all bf16 x bf16 with row-major operands."""
   dots = 0
   for block in compiled.split("\n\n"):  # one HLO computation each
     for line in block.splitlines():
@@ -261,5 +265,39 @@ def test_bfloat16_projection_runs_every_cpu_matmul_in_bfloat16(
       dots += 1
       for name in re.search(r"dot\(%([\w.\-]+), %([\w.\-]+)\)", line).groups():
         assert re.search(rf"%{re.escape(name)} = bf16\[", block), (name, line)
-      assert "lhs_contracting_dims={1}, rhs_contracting_dims={0}" in line, line
-  assert dots == 3, compiled
+      lhs, rhs = re.search(
+        r"lhs_contracting_dims=\{(\d)\}.*rhs_contracting_dims=\{(\d)\}", line
+      ).groups()
+      rank = len(re.search(r"= \w+\[([\d,]*)\]", line).group(1).split(","))
+      assert (int(lhs), int(rhs)) == (rank - 1, rank - 2), line
+  assert dots == count, compiled
+
+
+def test_bfloat16_attention_runs_every_cpu_matmul_in_bfloat16():
+  """On CPU, bfloat16 attention's two matmuls and the four of their gradient are plain
+  row-major bf16 x bf16 -> f32 batched matmuls, with autodiff's values to bfloat16
+  rounding (the float32 softmax cotangent is rounded to bfloat16, as T5X's is)."""
+  keys = jax.random.split(jax.random.PRNGKey(0), 4)
+  q, k, v = (jax.random.normal(key, (2, 16, 3, 8), jnp.bfloat16) for key in keys[:3])
+  bias = jax.random.normal(keys[3], (1, 3, 16, 16))  # [1, heads, q, k]
+
+  def ours(q, k, v):
+    out = layers.dot_product_attention(q, k, v, [bias], 0.0, True, None, jnp.bfloat16)
+    return jnp.sum(jnp.sin(out.astype(jnp.float32)))
+
+  def reference(q, k, v):
+    logits = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32)
+    weights = jax.nn.softmax(logits + bias, axis=-1).astype(jnp.bfloat16)
+    out = jnp.einsum("bhqk,bkhd->bqhd", weights, v, preferred_element_type=jnp.float32)
+    return jnp.sum(jnp.sin(out.astype(jnp.bfloat16).astype(jnp.float32)))
+
+  fn = jax.jit(jax.value_and_grad(ours, (0, 1, 2)))
+  (value, grads), (ref_value, ref_grads) = (
+    fn(q, k, v),
+    jax.value_and_grad(reference, (0, 1, 2))(q, k, v),
+  )
+  np.testing.assert_allclose(value, ref_value, rtol=2e-2)
+  for got, want in zip(grads, ref_grads):
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    np.testing.assert_allclose(got, want, atol=2e-2 * np.abs(want).max())
+  _assert_plain_bfloat16_dots(fn.lower(q, k, v).compile().as_text(), 6)

@@ -8,6 +8,9 @@ Measures, after warm-up, the median over --reps repetitions of:
     as in our `optimizers.adafactor`) at the same constant learning rate. The two
     steps are timed in turn, one of each per repetition after both warm-ups, so that
     a machine whose speed drifts (shared VMs do, by 20% within minutes) slows both;
+    each timed step follows --settle untimed steps of its own side, because in one
+    process the first step after the other side's runs slow (ours by 0.7-1.4 s
+    after torch's work, on a Zen 4 in bfloat16);
   * MFU = model FLOP/s (`t5x_lite.flops`) / peak matmul FLOP/s, the peak measured here
     with a large matmul in the same dtype in jax (`throughput.measure_matmul_flops`, as
     training does on CPU; used for our MFU) and torch (HF's);
@@ -82,6 +85,9 @@ _DECODE_LEN = flags.DEFINE_integer("decode_length", 64, "New tokens per decode (
 _BEAMS = flags.DEFINE_integer("num_beams", 4, "Beam size of the beam-search figure.")
 _REPS = flags.DEFINE_integer("reps", 5, "Timed repetitions per figure (median reported).")
 _WARMUP = flags.DEFINE_integer("warmup", 2, "Untimed repetitions before timing.")
+_SETTLE = flags.DEFINE_integer(
+  "settle", 1, "Untimed train steps of a side right before each of its timed ones (0: none)."
+)
 _DTYPE = flags.DEFINE_enum(
   "dtype",
   "auto",
@@ -119,6 +125,7 @@ class Settings:
     num_beams: beam size.
     reps: timed repetitions.
     warmup: untimed repetitions.
+    settle: untimed train steps of a side before each of its timed ones.
     matmul_size: size of the peak-FLOP/s matmul.
     learning_rate: constant learning rate.
     threads: CPU threads for torch (XLA's CPU backend uses one per core).
@@ -138,6 +145,7 @@ class Settings:
   num_beams: int = 4
   reps: int = 5
   warmup: int = 2
+  settle: int = 1
   matmul_size: int = 2048
   learning_rate: float = 0.01
   threads: int = 1
@@ -155,16 +163,19 @@ def time_median(fn: Callable[[], Any], reps: int, warmup: int) -> tuple[float, l
 
 
 def time_in_turn(
-  fns: dict[str, Callable[[], Any]], reps: int, warmup: int
+  fns: dict[str, Callable[[], Any]], reps: int, warmup: int, settle: int = 0
 ) -> dict[str, tuple[float, list[float]]]:
   """`time_median` of each fn, timed in turn: after each one's warm-up, rounds of one
-  call of each, so that a machine whose speed drifts slows every side alike."""
+  call of each, so that a machine whose speed drifts slows every side alike; each
+  timed call follows `settle` untimed calls of the same fn."""
   for fn in fns.values():
     for _ in range(warmup):
       fn()
   times: dict[str, list[float]] = {name: [] for name in fns}
   for _ in range(reps):
     for name, fn in fns.items():
+      for _ in range(settle):
+        fn()
       start = time.perf_counter()
       fn()
       times[name].append(time.perf_counter() - start)
@@ -569,7 +580,7 @@ def run_benchmark(s: Settings) -> dict[str, Any]:
       )
     if "train" not in s.skip:
       train_steps["hf_"] = prepare_hf_train(s, hf_model)
-  for prefix, (seconds, times) in time_in_turn(train_steps, s.reps, s.warmup).items():
+  for prefix, (seconds, times) in time_in_turn(train_steps, s.reps, s.warmup, s.settle).items():
     raw[f"{prefix}train_step_s"], raw[f"{prefix}train_step_times_s"] = seconds, times
   if s.data_task and "data" not in s.skip:
     raw.update(measure_data(s))
@@ -654,6 +665,7 @@ def main(argv: Sequence[str]) -> None:
     num_beams=_BEAMS.value,
     reps=_REPS.value,
     warmup=_WARMUP.value,
+    settle=_SETTLE.value,
     matmul_size=_MATMUL.value,
     learning_rate=_LR.value,
     threads=len(os.sched_getaffinity(0)),
