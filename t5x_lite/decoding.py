@@ -16,7 +16,9 @@ Conventions shared by `temperature_sample` and `beam_search`:
     values: a prefilled prompt, see `models.DecoderOnlyModel`).
   * The cache comes ALREADY expanded to `batch * num_decodes` rows (each batch row
     repeated consecutively, see `expand_to_beams`). Every cache leaf has that batch
-    axis leading, except 0-d leaves (`cache_index`), which are passed through.
+    axis leading, except 0-d leaves (`cache_index`), which are passed through, and
+    leaves with `batch` rows, one shared by all of a row's decodes (an
+    encoder-decoder's cross-attention keys and values, which the steps only read).
   * Outputs are [batch, num_decodes, length] without the BOS, best-scoring first;
     after EOS a sequence is padded with 0. Output token i can only be EOS when
     i >= min_decode_len, and at most `max_decode_len` (default: length) tokens are
@@ -125,9 +127,9 @@ def gather_rewritten_cache_beams(
   """`gather_cache_beams` on the leaves a step rewrote; the others are kept as they are.
 
   A leaf that `tokens_to_logits` returned unchanged (the very same array, e.g. the
-  cross-attention keys/values cached from the encoder output) still holds what
-  `expand_to_beams` put there, identical for every beam of a batch row, so
-  reordering its beams would copy it onto itself. Skipping it saves copying the
+  cross-attention keys/values cached from the encoder output) holds the same values
+  for every beam of a batch row (repeated by `expand_to_beams`, or one shared row),
+  so reordering its beams would copy it onto itself. Skipping it saves copying the
   largest part of an encoder-decoder cache at every step.
 
   Args:
@@ -136,12 +138,16 @@ def gather_rewritten_cache_beams(
     beam_indices: [batch, beam_size] int, source beam of each new beam.
     beam_size: beams per batch row.
 
+  A leaf with one row per batch row (shared by the row's beams) is kept as returned:
+  reordering a row's beams does not change it.
+
   Returns:
     new_cache with its rewritten leaves' rows taken from the selected source beams.
   """
+  batch_size = beam_indices.shape[0]
 
   def gather(new: jax.Array, old: jax.Array) -> jax.Array:
-    if new is old:
+    if new is old or (new.ndim and new.shape[0] == batch_size and beam_size > 1):
       return new
     return gather_cache_beams(new, beam_indices, beam_size)
 
@@ -166,13 +172,15 @@ def _resolve_lengths(length: int, min_decode_len: int, max_decode_len: int | Non
   return max_decode_len
 
 
-def _check_cache(cache: PyTree, rows: int) -> None:
-  """Raises if a non-scalar cache leaf does not have `rows` leading rows."""
+def _check_cache(cache: PyTree, batch_size: int, num_decodes: int) -> None:
+  """Raises if a non-scalar cache leaf has neither batch * num_decodes nor batch rows."""
+  rows = batch_size * num_decodes
   for path, leaf in jax.tree_util.tree_leaves_with_path(cache):
-    if jnp.ndim(leaf) and leaf.shape[0] != rows:
+    if jnp.ndim(leaf) and leaf.shape[0] not in (rows, batch_size):
       raise ValueError(
         f"cache leaf {jax.tree_util.keystr(path)} has shape {leaf.shape}; expected a "
-        f"leading batch * num_decodes = {rows} axis (use expand_to_beams)."
+        f"leading batch * num_decodes = {rows} axis (use expand_to_beams), or "
+        f"batch = {batch_size} for a leaf shared by each row's decodes."
       )
 
 
@@ -302,9 +310,8 @@ def temperature_sample(
   if temperature > 0 and decode_rng is None:
     raise ValueError("decode_rng is required when temperature > 0.")
   batch_size, length = decoder_prompt.shape
-  rows = batch_size * num_decodes
   max_decode_len = _resolve_lengths(length, min_decode_len, max_decode_len)
-  _check_cache(cache, rows)
+  _check_cache(cache, batch_size, num_decodes)
   # [rows, length + 1]
   prompt = flat_batch_beam_expand(_prompt_buffer(decoder_prompt), num_decodes)
 
@@ -576,7 +583,7 @@ def beam_search(
   """
   batch_size, length = decoder_prompt.shape
   max_decode_len = _resolve_lengths(length, min_decode_len, max_decode_len)
-  _check_cache(cache, batch_size * num_decodes)
+  _check_cache(cache, batch_size, num_decodes)
   prompt = _prompt_buffer(decoder_prompt)  # [batch, length + 1]
 
   def body(state: _BeamState) -> _BeamState:

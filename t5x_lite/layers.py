@@ -94,36 +94,45 @@ def _einsum_over_tokens(
   it moved per-chip memory both ways (-0.28 GiB for scanned base, +0.13 to +0.22 GiB
   for small), so other platforms keep the plain einsum.
 
-  On CPU, a bfloat16 projection with an equation '...{in},{in}{out}->...{out}' (every
-  projection's but the tied logits') is one [tokens, in] @ [in, out]
-  `_matmul_f32_accumulated`.
+  On CPU, a projection with an equation '...{in},{in}{out}->...{out}' (every
+  projection's but the tied logits') is one [tokens, in] @ [in, out] matmul
+  (`_matmul_f32_accumulated` in bfloat16). jnp.einsum contracts the attention output
+  projection's '...hd,hde' in the order (d, h), for which XLA:CPU transposes both
+  operands: a copy of the kernel in every step of a decoding loop.
   """
   operands, out_spec = equation.split('->')
   in_spec, kernel_spec = operands.split(',')
   contracted = in_spec.removeprefix('...')
   explicit = len(contracted)
   lead = inputs.shape[: inputs.ndim - explicit]
+  # '...{in},{in}{out}->...{out}': a [tokens, in] @ [in, out] matmul.
+  matmul = kernel_spec.startswith(contracted) and out_spec == '...' + kernel_spec.removeprefix(
+    contracted
+  )
   bfloat16_matmul = (
-    inputs.dtype == kernel.dtype == jnp.bfloat16
+    matmul
+    and inputs.dtype == kernel.dtype == jnp.bfloat16
     and out_dtype in (None, jnp.bfloat16, jnp.float32)
-    and kernel_spec.startswith(contracted)
-    and out_spec == '...' + kernel_spec.removeprefix(contracted)
   )
 
   def plain(x: Array, k: Array) -> Array:
     return jnp.einsum(equation, x, k, preferred_element_type=out_dtype)
 
   def merged(x: Array, k: Array) -> Array:
-    if bfloat16_matmul:
+    if matmul:
       size_in = int(np.prod(x.shape[len(lead) :]))
       tokens = x.reshape(-1, size_in)  # [tokens, in]
-      out = _matmul_f32_accumulated(tokens, k.reshape(size_in, -1), out_dtype or x.dtype)
-      return out.reshape(lead + k.shape[explicit:])  # [*lead, *out explicit]
+      k = k.reshape(size_in, -1)  # [in, out]
+      if bfloat16_matmul:
+        out = _matmul_f32_accumulated(tokens, k, out_dtype or x.dtype)
+      else:
+        out = jnp.dot(tokens, k, preferred_element_type=out_dtype)
+      return out.reshape(lead + kernel.shape[explicit:])  # [*lead, *out explicit]
     tokens = x.reshape((-1,) + x.shape[len(lead) :])  # [tokens, *explicit]
     out = jnp.einsum(equation, tokens, k, preferred_element_type=out_dtype)
     return out.reshape(lead + out.shape[1:])  # [*lead, *out explicit]
 
-  if len(lead) < 2 and not bfloat16_matmul:
+  if len(lead) < 2 and not matmul:
     return plain(inputs, kernel)
   return jax.lax.platform_dependent(inputs, kernel, cpu=merged, default=plain)
 
@@ -549,6 +558,7 @@ def dot_product_attention(
   dtype: Dtype,
   heads_major_kv: bool = False,
   logits_dtype: Dtype = jnp.float32,
+  kv_major_key: bool = False,
 ) -> Array:
   """Unscaled dot-product attention; logits, biases and softmax in `logits_dtype`.
 
@@ -563,6 +573,10 @@ def dot_product_attention(
     dtype: dtype of the weights used in the value matmul.
     heads_major_kv: key/value come as [batch, heads, k, kv] (the decode caches'
       layout, in which both matmuls need no transpose of the long key axis).
+    kv_major_key: with heads_major_kv, key comes as [batch, heads, kv, k] (the
+      cross-attention cache): both matmuls are then plain [q, kv] @ [kv, k] and
+      [q, k] @ [k, kv] per batch and head, which XLA:CPU runs at full speed for the
+      several queries of a decode step whose beams share the keys.
     logits_dtype: dtype of the logits and the softmax: float32 (T5X's
       `float32_logits=True`), or bfloat16 (flaxformer's default with bfloat16
       activations), which halves the [batch, heads, q, k] buffers.
@@ -576,6 +590,10 @@ def dot_product_attention(
   bfloat16_cpu = not heads_major_kv and query.dtype == key.dtype == value.dtype == jnp.bfloat16
 
   def plain_logits(q: Array, k: Array) -> Array:
+    if heads_major_kv:
+      key_axes = 'bhdk' if kv_major_key else 'bhkd'
+      q = jnp.swapaxes(q, 1, 2)  # [batch, heads, q, kv]
+      return jnp.einsum(f'bhqd,{key_axes}->bhqk', q, k, preferred_element_type=logits_dtype)
     return jnp.einsum(f'bqhd,{kv_axes}->bhqk', q, k, preferred_element_type=logits_dtype)
 
   def cpu_logits(q: Array, k: Array) -> Array:
@@ -584,6 +602,8 @@ def dot_product_attention(
     return _matmul_f32_accumulated(q, k, logits_dtype)
 
   def plain_values(w: Array, v: Array) -> Array:
+    if heads_major_kv:  # [batch, heads, q, kv], then the (small) output transposed
+      return jnp.swapaxes(jnp.einsum('bhqk,bhkd->bhqd', w, v), 1, 2)
     return jnp.einsum(f'bhqk,{kv_axes}->bqhd', w, v)
 
   def cpu_values(w: Array, v: Array) -> Array:
@@ -610,6 +630,21 @@ def dot_product_attention(
   return plain_values(weights, value)
 
 
+def _fold_decodes(query: Array, kv_batch: int, cross_attention: bool) -> Array:
+  """[batch * d, q, heads, kv] -> [batch, d * q, heads, kv] for keys with `kv_batch` rows.
+
+  The d decodes of a batch row (consecutive rows, see `decoding.expand_to_beams`) attend
+  to the same encoder keys, so they are that row's d * q queries.
+  """
+  rows, length_q = query.shape[:2]
+  if not cross_attention or rows % kv_batch:
+    raise ValueError(
+      f'attention queries have {rows} rows and keys {kv_batch}: only cross-attention may '
+      'share one key row among several (a whole multiple of) query rows'
+    )
+  return query.reshape(kv_batch, rows // kv_batch * length_q, *query.shape[2:])
+
+
 class MultiHeadAttention(nn.Module):
   """T5 multi-head attention with 3-D kernels and optional single-step decoding cache.
 
@@ -618,12 +653,15 @@ class MultiHeadAttention(nn.Module):
   `cached_value` of shape [batch, heads, cache_length, kv] (batch leading, so
   beam search can expand or gather them; heads before length, so that a decode
   step's two attention matmuls read the cache in place, where a [batch, length,
-  heads, kv] cache is transposed in full at every step); the step index lives
+  heads, kv] cache is transposed in full at every step; the cross-attention key
+  cache is [batch, heads, kv, k], see `dot_product_attention`); the step index lives
   with the caller (the Decoder's 0-d `cache_index`). Self-attention writes one key/value per step,
   so a step costs O(cache_length). Cross-attention (`cross_attention=True`)
   projects the encoder output once, in the cache-creating call, and only reads
   it in the steps (no per-step branch or copy: inside a decoding loop the cached
-  projection is loop-invariant).
+  projection is loop-invariant). Its inputs_kv may have batch rows where inputs_q has
+  batch * d (the d samples or beams of each row, consecutive): the encoder output is
+  then projected, cached and read once per batch row, not once per decode.
 
   Attributes:
     num_heads: number of heads.
@@ -668,11 +706,14 @@ class MultiHeadAttention(nn.Module):
 
     Self-attention caches start as zeros of `cache_length` (default: the input
     length); cross-attention caches hold `key`/`value` [batch, k, heads, kv], the
-    projected encoder output.
+    projected encoder output, the key as [batch, heads, kv, k].
     """
     if self.cross_attention:
-      # [batch, k, heads, kv] -> [batch, heads, k, kv]
-      self.variable('cache', 'cached_key', lambda: jnp.swapaxes(key, 1, 2).astype(self.dtype))
+      # key [batch, k, heads, kv] -> [batch, heads, kv, k] (see dot_product_attention's
+      # kv_major_key), value -> [batch, heads, k, kv]
+      self.variable(
+        'cache', 'cached_key', lambda: jnp.transpose(key, (0, 2, 3, 1)).astype(self.dtype)
+      )
       self.variable('cache', 'cached_value', lambda: jnp.swapaxes(value, 1, 2).astype(self.dtype))
       return
     batch, length = key.shape[:2]
@@ -691,7 +732,8 @@ class MultiHeadAttention(nn.Module):
   def _decode_step_kv(
     self, inputs_kv: Array, decode_position: Array, prefilled: Array | None
   ) -> tuple[Array, Array]:
-    """Updates the cache for one step; returns all keys/values [batch, heads, length, kv].
+    """Updates the cache for one step; returns all keys/values [batch, heads, length, kv]
+    (a cross-attention key: [batch, heads, kv, length]).
 
     Self-attention writes this step's key/value at decode_position, except in the
     rows where `prefilled` [batch] says that slot holds a prefilled prompt's; cross-attention
@@ -734,8 +776,10 @@ class MultiHeadAttention(nn.Module):
 
     Args:
       inputs_q: query-side inputs [batch, q, embed].
-      inputs_kv: key/value-side inputs [batch, k, embed].
-      mask_bias: additive float32 mask bias broadcastable to [batch, heads, q, k].
+      inputs_kv: key/value-side inputs [batch, k, embed]; for cross-attention also
+        [batch / d, k, embed], shared by each d consecutive query rows.
+      mask_bias: additive float32 mask bias broadcastable to [batch, heads, q, k]
+        ([batch / d, heads, 1, k] when inputs_kv is shared, see above).
       position_bias: additive relative-position bias [batch|1, heads, q, k]; in a
         self-attention decode step it is the bias by causal distance [1, heads, 1, D]
         (see `causal_step_bias`).
@@ -769,6 +813,10 @@ class MultiHeadAttention(nn.Module):
         self._prefill_cache(key, value)
       elif decode:
         self._init_cache(key, value, cache_length)
+    rows, length_q = query.shape[:2]
+    if key.shape[0] != rows:
+      # Decodes sharing their batch row's encoder output: fold them into the query axis.
+      query = _fold_decodes(query, key.shape[0], self.cross_attention)  # [batch, d * q, ...]
     dropout_rng = None
     if not deterministic and self.dropout_rate > 0.0:
       dropout_rng = self.make_rng('dropout')
@@ -783,7 +831,8 @@ class MultiHeadAttention(nn.Module):
       self.dtype,
       heads_major_kv=step,
       logits_dtype=self.logits_dtype,
-    )
+      kv_major_key=step and self.cross_attention,
+    ).reshape(rows, length_q, self.num_heads, self.head_dim)  # [batch, q, heads, kv]
     # [batch, q, heads, kv] -> [batch, q, embed]
     return Projection(
       (self.num_heads, self.head_dim, emb_dim),

@@ -225,7 +225,11 @@ class EncoderDecoderModel:
     max_decode_len: int | None,
     min_decode_len: int,
   ) -> tuple[jax.Array, PyTree, decoding.TokensToLogits, jax.Array | int]:
-    """Encodes once, expands to batch * num_decodes rows, initialises the cache.
+    """Encodes once and initialises a cache for batch * num_decodes rows.
+
+    The encoder output is not repeated per decode: the cross-attention caches hold one
+    projection per batch row, which the row's decodes share (batch rows, constant in
+    the loop; see `decoding`).
 
     Returns:
       (decoder prompt [batch, max_len] of zeros, cache, tokens_to_logits, initial
@@ -242,9 +246,7 @@ class EncoderDecoderModel:
       enable_dropout=False,
       method="encode",
     )  # [batch, input_len, emb]
-    encoded = decoding.flat_batch_beam_expand(encoded, num_decodes)  # [rows, input_len, emb]
-    inputs = decoding.flat_batch_beam_expand(inputs, num_decodes)  # [rows, input_len]
-    rows = inputs.shape[0]
+    rows = inputs.shape[0] * num_decodes
 
     def decode(variables: PyTree, ids: jax.Array) -> tuple[jax.Array, PyTree]:
       logits, new_vars = self.module.apply(

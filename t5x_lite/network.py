@@ -159,6 +159,11 @@ def _segment_mask(query_segments: Array | None, key_segments: Array | None) -> A
   return layers.make_attention_mask(query_segments, key_segments, jnp.equal)
 
 
+def _encoder_padding_bias(encoder_input_tokens: Array) -> Array:
+  """[batch, 1, 1, input_len] float32 bias masking the encoder's padding (token 0)."""
+  return layers.mask_to_bias((encoder_input_tokens > 0)[:, None, None, :])
+
+
 class Encoder(nn.Module):
   """Embedding, dropout, encoder layers, final norm, dropout.
 
@@ -324,7 +329,11 @@ class Decoder(nn.Module):
       visible, self_padding, _segment_mask(decoder_segment_ids, decoder_segment_ids)
     )
     cross_mask_bias = None
-    if encoder_input_tokens is not None:
+    if encoder_input_tokens is not None and encoder_input_tokens.shape[0] != valid.shape[0]:
+      # The cache-creating call of decodes that share their row's encoder output
+      # (see layers.MultiHeadAttention): no target padding, no packing.
+      cross_mask_bias = _encoder_padding_bias(encoder_input_tokens)
+    elif encoder_input_tokens is not None:
       cross_mask = layers.combine_masks(
         layers.make_attention_mask(valid, encoder_input_tokens > 0),
         _segment_mask(decoder_segment_ids, encoder_segment_ids),
@@ -427,10 +436,7 @@ class Decoder(nn.Module):
       position_bias = blocks.stack_position_bias(cfg, -distance[None, None, :], bidirectional=False)
       cross_mask_bias = None
       if encoder_input_tokens is not None:
-        query_valid = jnp.ones(decoder_input_tokens.shape, jnp.bool_)  # [batch, 1]
-        cross_mask_bias = layers.mask_to_bias(
-          layers.make_attention_mask(query_valid, encoder_input_tokens > 0)
-        )
+        cross_mask_bias = _encoder_padding_bias(encoder_input_tokens)
     x = self.shared_embedding(decoder_input_tokens)  # [batch, target_len, embed]
     x = nn.Dropout(rate=cfg.dropout_rate, broadcast_dims=(-2,))(x, deterministic=deterministic)
     x = nn.with_logical_constraint(x, ('batch', 'length', 'embed'))
@@ -505,7 +511,10 @@ class Transformer(nn.Module):
     [batch, max_len] (or max_decode_length), and cross-attention caches holding the
     projection of `encoded` (pass the same `encoded` to every later call); its
     logits are meaningless. Every later call takes decoder_input_tokens [batch, 1],
-    attends to the cache and advances the decoder's `cache_index`.
+    attends to the cache and advances the decoder's `cache_index`. In decode mode
+    `encoded` and `encoder_input_tokens` may also have batch / d rows, each shared by
+    d consecutive decoder rows (samples or beams): the cross-attention caches then
+    hold one projection per batch row (see `layers.MultiHeadAttention`).
     """
     return self.decoder(
       encoded,

@@ -145,11 +145,11 @@ def test_expand_and_gather_helpers():
   assert int(gathered["cache_index"]) == 5
 
 
-def test_unexpanded_cache_is_rejected():
+def test_cache_with_wrong_rows_is_rejected():
   model = make_model(0)
   with pytest.raises(ValueError, match="expand_to_beams"):
     decoding.beam_search(
-      jnp.zeros((2, 4), jnp.int32), model.init_cache(2), model.tokens_to_logits, EOS
+      jnp.zeros((2, 4), jnp.int32), model.init_cache(3), model.tokens_to_logits, EOS
     )
 
 
@@ -414,8 +414,11 @@ NETWORK_DECODES = 3
 
 
 @functools.cache
-def network_decoder(scan_layers: bool):
+def network_decoder(scan_layers: bool, share_encoded: bool = False):
   """A tiny real Transformer with its cache, per the network's decode contract.
+
+  With `share_encoded` the decoder gets the encoder output once per batch row (its
+  decodes share it, as `models.EncoderDecoderModel` decodes), else repeated per decode.
 
   Returns:
     (teacher_forced(decoder_input_tokens [rows, L]) -> logits [rows, L, vocab],
@@ -442,18 +445,25 @@ def network_decoder(scan_layers: bool):
   rng = np.random.default_rng(0)
   params = treedef.unflatten([0.5 * rng.normal(size=x.shape).astype(x.dtype) for x in leaves])
   rows_tokens = decoding.flat_batch_beam_expand(enc_tokens, NETWORK_DECODES)  # [rows, 5]
+  decoder_enc_tokens = enc_tokens if share_encoded else rows_tokens
   encoded = jax.jit(functools.partial(model.apply, enable_dropout=False, method=model.encode))(
-    {"params": params}, rows_tokens
-  )  # [rows, input_len, emb]
+    {"params": params}, decoder_enc_tokens
+  )  # [batch or rows, input_len, emb]
 
   def decode_step(variables, ids):
     logits, new_vars = model.apply(
-            variables, encoded, rows_tokens, ids, decode=True, enable_dropout=False,
+            variables, encoded, decoder_enc_tokens, ids, decode=True, enable_dropout=False,
             mutable=["cache"], method=model.decode,
         )  # fmt: skip
     return logits[:, 0], new_vars["cache"]  # [rows, vocab]
 
   _, cache = decode_step({"params": params}, jnp.ones((rows_tokens.shape[0], length), jnp.int32))
+  cross_rows = {
+    leaf.shape[0]
+    for path, leaf in jax.tree_util.tree_leaves_with_path(cache)
+    if "encoder_decoder_attention" in jax.tree_util.keystr(path)
+  }
+  assert cross_rows == {decoder_enc_tokens.shape[0]}
 
   def tokens_to_logits(ids, step_cache):
     return decode_step({"params": params, "cache": step_cache}, ids)
@@ -483,8 +493,9 @@ def real_length(seq) -> int:
   return len(trimmed(seq))
 
 
-def test_real_network_cached_greedy_matches_teacher_forcing():
-  teacher_forced, cache, tokens_to_logits, batch, length = network_decoder(False)
+@pytest.mark.parametrize("share_encoded", [False, True])
+def test_real_network_cached_greedy_matches_teacher_forcing(share_encoded):
+  teacher_forced, cache, tokens_to_logits, batch, length = network_decoder(False, share_encoded)
   fn = functools.partial(
     decoding.greedy_decode,
     tokens_to_logits=tokens_to_logits,
@@ -502,9 +513,11 @@ def test_real_network_cached_greedy_matches_teacher_forcing():
     np.testing.assert_array_equal(seqs[row], seqs[row, :1].repeat(NETWORK_DECODES, axis=0))
 
 
-@pytest.mark.parametrize("scan_layers", [False, True])
-def test_real_network_beam_search_scores_match_teacher_forcing(scan_layers):
-  teacher_forced, cache, tokens_to_logits, batch, length = network_decoder(scan_layers)
+@pytest.mark.parametrize("scan_layers,share_encoded", [(False, False), (False, True), (True, True)])
+def test_real_network_beam_search_scores_match_teacher_forcing(scan_layers, share_encoded):
+  teacher_forced, cache, tokens_to_logits, batch, length = network_decoder(
+    scan_layers, share_encoded
+  )
   fn = functools.partial(
     decoding.beam_search,
     tokens_to_logits=tokens_to_logits,
