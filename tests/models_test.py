@@ -289,6 +289,20 @@ def test_multi_decode_shapes_and_scores(model_and_params, decode_fn):
   np.testing.assert_array_equal(np.asarray(best), np.asarray(tokens[:, 0]))
 
 
+@pytest.mark.parametrize("num_decodes", [1, 3])
+def test_decodes_share_their_input_cross_attention_cache(model_and_params, num_decodes):
+  """The encoder output is projected and cached once per input, not once per decode."""
+  model, params = model_and_params
+  batch = unpacked_batch(6, batch=2, length=5)
+  _, cache, _, _ = model._decoding_inputs(params, batch, num_decodes, None, 0)
+  rows = {}
+  for path, leaf in jax.tree_util.tree_leaves_with_path(cache):
+    attention = path[-2].key  # 'self_attention' or 'encoder_decoder_attention'
+    if leaf.ndim:
+      rows.setdefault(attention, set()).add(leaf.shape[0])
+  assert rows == {"self_attention": {2 * num_decodes}, "encoder_decoder_attention": {2}}
+
+
 def test_beam_search_best_beats_greedy_score(model_and_params):
   model, params = model_and_params
   batch = unpacked_batch(5, batch=2, length=5)
