@@ -130,16 +130,16 @@ def gather_rewritten_cache_beams(
   cross-attention keys/values cached from the encoder output) holds the same values
   for every beam of a batch row (repeated by `expand_to_beams`, or one shared row),
   so reordering its beams would copy it onto itself. Skipping it saves copying the
-  largest part of an encoder-decoder cache at every step.
+  largest part of an encoder-decoder cache at every step. A leaf with one row per
+  batch row (shared by the row's beams) is kept as returned: reordering a row's beams
+  does not change it.
 
   Args:
-    new_cache: the cache returned by the step, leaves [batch * beam_size, ...] or 0-d.
+    new_cache: the cache returned by the step, leaves [batch * beam_size, ...], [batch,
+      ...] (shared) or 0-d.
     old_cache: the cache the step was given (same structure).
     beam_indices: [batch, beam_size] int, source beam of each new beam.
     beam_size: beams per batch row.
-
-  A leaf with one row per batch row (shared by the row's beams) is kept as returned:
-  reordering a row's beams does not change it.
 
   Returns:
     new_cache with its rewritten leaves' rows taken from the selected source beams.
