@@ -584,7 +584,6 @@ def dot_product_attention(
   Returns:
     [batch, q, heads, kv].
   """
-  kv_axes = 'bhkd' if heads_major_kv else 'bkhd'
   # On CPU, bfloat16 attention over [batch, k, heads, kv] keys runs both matmuls as
   # `_matmul_f32_accumulated` (see there), on row-major heads-major copies.
   bfloat16_cpu = not heads_major_kv and query.dtype == key.dtype == value.dtype == jnp.bfloat16
@@ -594,7 +593,7 @@ def dot_product_attention(
       key_axes = 'bhdk' if kv_major_key else 'bhkd'
       q = jnp.swapaxes(q, 1, 2)  # [batch, heads, q, kv]
       return jnp.einsum(f'bhqd,{key_axes}->bhqk', q, k, preferred_element_type=logits_dtype)
-    return jnp.einsum(f'bqhd,{kv_axes}->bhqk', q, k, preferred_element_type=logits_dtype)
+    return jnp.einsum('bqhd,bkhd->bhqk', q, k, preferred_element_type=logits_dtype)
 
   def cpu_logits(q: Array, k: Array) -> Array:
     q = _row_major(jnp.swapaxes(q, 1, 2))  # [batch, heads, q, kv]
@@ -604,7 +603,7 @@ def dot_product_attention(
   def plain_values(w: Array, v: Array) -> Array:
     if heads_major_kv:  # [batch, heads, q, kv], then the (small) output transposed
       return jnp.swapaxes(jnp.einsum('bhqk,bhkd->bhqd', w, v), 1, 2)
-    return jnp.einsum(f'bhqk,{kv_axes}->bqhd', w, v)
+    return jnp.einsum('bhqk,bkhd->bqhd', w, v)
 
   def cpu_values(w: Array, v: Array) -> Array:
     v = _row_major(jnp.swapaxes(v, 1, 2))  # [batch, heads, k, kv]

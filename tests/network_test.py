@@ -238,18 +238,9 @@ def test_cache_longer_than_steps_via_max_decode_length():
   cached_key = variables['cache']['decoder']['layers_0']['self_attention']['cached_key']
   assert cached_key.shape == (2, 4, 11, 8)  # [batch, heads, length, kv]
   cross = variables['cache']['decoder']['layers_0']['encoder_decoder_attention']
-  assert cross['cached_key'].shape == (
-    2,
-    4,
-    8,
-    ENCODER_TOKENS.shape[1],
-  )  # [batch, heads, kv, input_len]
-  assert cross['cached_value'].shape == (
-    2,
-    4,
-    ENCODER_TOKENS.shape[1],
-    8,
-  )  # [batch, heads, input_len, kv]
+  input_len = ENCODER_TOKENS.shape[1]
+  assert cross['cached_key'].shape == (2, 4, 8, input_len)  # [batch, heads, kv, input_len]
+  assert cross['cached_value'].shape == (2, 4, input_len, 8)  # [batch, heads, input_len, kv]
 
 
 def test_scan_and_remat_match_plain_network():
