@@ -34,6 +34,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from t5x_lite import losses
+
 PyTree = Any
 TokensToLogits = Callable[[jax.Array, PyTree], tuple[jax.Array, PyTree]]
 
@@ -238,7 +240,7 @@ def _choose_tokens(
   """
   model_log_probs = jax.nn.log_softmax(logits)  # [rows, vocab]
   if temperature == 0.0:
-    tokens = jnp.argmax(jnp.where(blocked, NEG_INF, logits), axis=-1)  # [rows]
+    tokens = losses.first_argmax(jnp.where(blocked, NEG_INF, logits))  # [rows]
     log_probs = model_log_probs
   else:
     scaled = jnp.where(blocked, NEG_INF, logits / temperature)  # [rows, vocab]

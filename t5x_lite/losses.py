@@ -232,7 +232,31 @@ def chunked_cross_entropy(
 
 def token_correct(logits: jax.Array, targets: jax.Array) -> jax.Array:
   """[batch, length] bool: the logits' argmax is the target."""
-  return jnp.argmax(logits, axis=-1) == targets
+  return first_argmax(logits) == targets
+
+
+def first_argmax(x: jax.Array) -> jax.Array:
+  """`jnp.argmax(x, axis=-1)`, as two reductions that XLA:CPU vectorises.
+
+  The index of the first maximum (of the first NaN, if a row has one), like
+  `jnp.argmax`. XLA:CPU runs `jnp.argmax`'s (value, index) reduction one element at a
+  time; a max, then the smallest index holding it, gives the same indices in less
+  than half the time on a Zen 4 (the float32 train step's [8, 114, 32128] logits:
+  68 -> 27 ms; a greedy decoding step's [8, 32128]: 0.69 -> 0.35 ms).
+
+  Args:
+    x: [..., n] floating point.
+
+  Returns:
+    [...] int32 indices.
+  """
+  n = x.shape[-1]
+  top = jnp.max(x, axis=-1, keepdims=True)  # [..., 1]; XLA:CPU may skip NaNs
+  index = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)  # [..., n]
+  # One reduction: a NaN's key is its index, a maximum's its index + n, any other 2n.
+  key = jnp.where(jnp.isnan(x), index, jnp.where(x == top, index + n, 2 * n))  # [..., n]
+  first = jnp.min(key, axis=-1)  # [...]
+  return jnp.where(first >= n, first - n, first)
 
 
 def sum_weights_per_segment(segment_ids: jax.Array, weights: jax.Array) -> jax.Array:
