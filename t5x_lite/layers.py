@@ -585,7 +585,9 @@ def dot_product_attention(
     [batch, q, heads, kv].
   """
   # On CPU, bfloat16 attention over [batch, k, heads, kv] keys runs both matmuls as
-  # `_matmul_f32_accumulated` (see there), on row-major heads-major copies.
+  # `_matmul_f32_accumulated` (see there), on row-major heads-major copies; other
+  # dtypes run the value product's forward on a heads-major copy of the values
+  # (`_values_heads_major_forward`).
   bfloat16_cpu = not heads_major_kv and query.dtype == key.dtype == value.dtype == jnp.bfloat16
 
   def plain_logits(q: Array, k: Array) -> Array:
