@@ -32,12 +32,21 @@ _GIN_MISSING_BINDINGS = "Required bindings for"
 # T5X's gin macro for the module(s) that register the run's tasks.
 TASK_MODULE_MACRO = "MIXTURE_OR_TASK_MODULE"
 # XLA:CPU options `run` adds to XLA_FLAGS, before jax starts a backend, unless
-# XLA_FLAGS already names them (other backends ignore xla_cpu_* options).
-# YNNPACK's reduce fusion is slow on leading-axis sums: in a T5 1.1 small train step
-# (batch 8, 512/114, 2 cores) the relative-bias gradient, a sum over batch and layers
-# of [8, 6, 512, 512], took 1.9 s of 15 s; XLA's own reduction loops take ~0.1 s.
-# YNNPACK keeps the dots and elementwise fusions (tools/benchmark.py, README).
-CPU_XLA_FLAGS = {"xla_cpu_experimental_ynn_fusion_type": "-reduce"}
+# XLA_FLAGS already names them (README, "Without XLA:CPU's tree reduction rewriter").
+# - YNNPACK's reduce fusion is slow on leading-axis sums: in a T5 1.1 small train step
+#   (batch 8, 512/114, 2 cores) the relative-bias gradient, a sum over batch and layers
+#   of [8, 6, 512, 512], took 1.9 s of 15 s; XLA's own reduction loops take ~0.1 s.
+#   YNNPACK keeps the dots and elementwise fusions. Other backends ignore xla_cpu_*.
+# - XLA:CPU's tree_reduction_rewriter splits each long reduction into windows of 32,
+#   which stops XLA from fusing it with its producers: a softmax over [8, 6, 512, 512]
+#   takes 14 ms with it and 7.7 without, and train and decode steps are 4-9% faster
+#   without it (RMSNorm's scale gradient, the one sum it sped up, is a matmul on CPU).
+#   GPU's passes are named tree-reduction-rewriter and gpu-tree-reduction-rewriter, and
+#   a TPU compile is the same to the byte with this option, so only CPU changes.
+CPU_XLA_FLAGS = {
+  "xla_cpu_experimental_ynn_fusion_type": "-reduce",
+  "xla_disable_hlo_passes": "tree_reduction_rewriter",
+}
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("tfds_data_dir", None, "Overrides the TFDS data dir of seqio tasks.")

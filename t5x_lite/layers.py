@@ -271,7 +271,38 @@ def _rms_norm(x: Array, scale: Array, epsilon: float, dtype: Dtype) -> Array:
   x32 = jnp.asarray(x, jnp.float32)
   mean_square = jnp.mean(jnp.square(x32), axis=-1, keepdims=True)  # [..., 1]
   y = x32 * jax.lax.rsqrt(mean_square + epsilon)
-  return (y * jnp.asarray(scale, jnp.float32)).astype(dtype)
+  scale = jnp.asarray(scale, jnp.float32)
+  return jax.lax.platform_dependent(y, scale, cpu=_scaled_cpu, default=jnp.multiply).astype(dtype)
+
+
+@jax.custom_vjp
+def _scaled_cpu(y: Array, scale: Array) -> Array:
+  """y [..., embed] * scale [embed]; the backward sums scale's gradient as a matmul.
+
+  Autodiff sums g * y over every leading axis, a reduction to [embed] that XLA:CPU
+  runs as a slow strided loop without its tree_reduction_rewriter, which
+  `cli.CPU_XLA_FLAGS` turns off (that pass slows the softmax and every row reduction
+  down; README, "Without XLA:CPU's tree reduction rewriter"). A [1, tokens] @ [tokens,
+  embed] matmul with ones sums the same products: 0.85-1.0 ms at [8, 512, 512] on a
+  2-core Zen 4, against 3.6 ms with the rewriter and 5.8 ms without. Only the order
+  of the sum differs from autodiff's.
+  """
+  return y * scale
+
+
+def _scaled_cpu_fwd(y: Array, scale: Array) -> tuple[Array, tuple[Array, Array]]:
+  return y * scale, (y, scale)
+
+
+def _scaled_cpu_bwd(residuals: tuple[Array, Array], g: Array) -> tuple[Array, Array]:
+  y, scale = residuals
+  rows = g.size // g.shape[-1]
+  products = (g * y).reshape(rows, g.shape[-1])  # [tokens, embed]
+  d_scale = jnp.ones((1, rows), products.dtype) @ products  # [1, embed]
+  return g * scale, d_scale.reshape(scale.shape)
+
+
+_scaled_cpu.defvjp(_scaled_cpu_fwd, _scaled_cpu_bwd)
 
 
 _rms_norm_recomputed = jax.checkpoint(_rms_norm, static_argnums=(2, 3))

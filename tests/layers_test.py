@@ -64,6 +64,35 @@ def test_rms_norm_computes_in_float32_for_bfloat16():
   np.testing.assert_allclose(np.asarray(y, np.float32), np.ones((1, 4)), rtol=1e-2)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("recompute", [True, False])
+def test_rms_norm_gradients_equal_autodiff_of_the_formula(dtype, recompute):
+  x = (jax.random.normal(jax.random.PRNGKey(0), (3, 5, 16)) * 2.0).astype(dtype)
+  scale = jnp.linspace(0.5, 2.0, 16, dtype=jnp.float32)
+  cotangent = jax.random.normal(jax.random.PRNGKey(1), (3, 5, 16))
+  module = layers.RMSNorm(dtype=dtype, recompute=recompute)
+
+  def loss(scale, x):
+    y = module.apply({"params": {"scale": scale}}, x)
+    return jnp.vdot(y.astype(jnp.float32), cotangent)
+
+  def reference(scale, x):  # the formula, differentiated by autodiff
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + 1e-6) * scale
+    return jnp.vdot(y.astype(dtype).astype(jnp.float32), cotangent)
+
+  grads, expected = jax.grad(loss, (0, 1))(scale, x), jax.grad(reference, (0, 1))(scale, x)
+  # The scale gradient sums 15 tokens in another order (a matmul on CPU).
+  for got, want in zip(grads, expected):
+    np.testing.assert_allclose(
+      np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=1e-6, atol=1e-6
+    )
+  # On CPU that sum is a [1, tokens] @ [tokens, embed] matmul; TPU keeps autodiff's reduce.
+  matmul = "tensor<1x15xf32>"
+  assert any(matmul in line for line in _lowered_dots(jax.grad(loss), scale, x, platform="cpu"))
+  assert not any(matmul in line for line in _lowered_dots(jax.grad(loss), scale, x, platform="tpu"))
+
+
 def _softmax(x):
   x = x - x.max(-1, keepdims=True)
   return np.exp(x) / np.exp(x).sum(-1, keepdims=True)
