@@ -1,7 +1,7 @@
 """Command-line plumbing shared by the train / eval / infer entry points.
 
 T5X-style flags: --gin_file, --gin_bindings, --gin.NAME=VALUE and
---gin_search_paths (defined, with gin parsing, in `t5x_lite.gin_config`), and
+--gin_search_paths (defined, with gin parsing, in `t5x_lite.core.gin_config`), and
 
   --tfds_data_dir=DIR       seqio/TFDS data directory override
   --data_dir=DIR            directory of local-file tasks (gin local_data_dir.path)
@@ -23,9 +23,9 @@ import gin
 import jax
 from absl import app, flags, logging
 
-from t5x_lite import console
-from t5x_lite.errors import ConfigError
-from t5x_lite.gin_config import check_required_macros, parse_gin_flags, resolved_macro, run_app
+from t5x_lite.core import console
+from t5x_lite.core.errors import ConfigError
+from t5x_lite.core.gin_config import check_required_macros, parse_gin_flags, resolved_macro, run_app
 
 # How gin's RuntimeError for an unbound `gin.REQUIRED` Python default begins.
 _GIN_MISSING_BINDINGS = "Required bindings for"
@@ -95,16 +95,16 @@ def setup(optional_macros: Sequence[str] = ()) -> None:
   """
   import seqio  # TensorFlow: only for the entry points that read data
 
-  from t5x_lite import data
+  from t5x_lite.data import pipeline
 
   console.quiet_library_logs()
   initialize_distributed()
   if FLAGS.tfds_data_dir:
     seqio.set_tfds_data_dir_override(FLAGS.tfds_data_dir)
-  data.import_task_modules(FLAGS.module_import)
+  pipeline.import_task_modules(FLAGS.module_import)
   data_dir = [f"local_data_dir.path = {FLAGS.data_dir!r}"] if FLAGS.data_dir else []
   parse_gin_flags(extra_bindings=data_dir)
-  data.import_task_modules(_task_module_macro())
+  pipeline.import_task_modules(_task_module_macro())
   check_required_macros(optional_macros)
 
 

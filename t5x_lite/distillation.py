@@ -37,8 +37,10 @@ import jax
 import jax.numpy as jnp
 from absl import logging
 
-from t5x_lite import checkpoints, losses, models, network
-from t5x_lite.errors import ConfigError
+from t5x_lite import models
+from t5x_lite.nn import losses, network
+from t5x_lite.checkpoint import checkpoints
+from t5x_lite.core.errors import ConfigError
 
 if TYPE_CHECKING:
   import seqio

@@ -9,13 +9,14 @@ already evaluated in EVAL_OUTPUT_DIR. Example:
     --gin.MIXTURE_OR_TASK_NAME=local_glue_sst2
 
 Flags are those of `t5x_lite.cli` (shared with train and infer); the run is
-`t5x_lite.eval_lib.evaluate_checkpoints`, its options are in gin/runs/eval.gin.
+`t5x_lite.run.eval_lib.evaluate_checkpoints`, its options are in gin/runs/eval.gin.
 """
 
-from t5x_lite import console  # noqa: F401  (first: quiets TensorFlow and JAX start-up)
+from t5x_lite.core import console  # noqa: F401  (first: quiets TensorFlow and JAX start-up)
 
 import tasks  # noqa: F401  (registers seqio tasks and mixtures)
-from t5x_lite import cli, eval_lib
+from t5x_lite import cli
+from t5x_lite.run import eval_lib
 
 main = cli.gin_entry_point(eval_lib.evaluate_checkpoints)
 

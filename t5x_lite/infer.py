@@ -9,13 +9,14 @@ file, resuming where an earlier run stopped. Example:
     --gin.DecodeConfig.decode_fn="'beam'" --gin.DecodeConfig.num_decodes=4
 
 Flags are those of `t5x_lite.cli` (shared with train and eval); the run is
-`t5x_lite.infer_lib.infer`, its options are in gin/runs/infer.gin.
+`t5x_lite.run.infer_lib.infer`, its options are in gin/runs/infer.gin.
 """
 
-from t5x_lite import console  # noqa: F401  (first: quiets TensorFlow and JAX start-up)
+from t5x_lite.core import console  # noqa: F401  (first: quiets TensorFlow and JAX start-up)
 
 import tasks  # noqa: F401  (registers seqio tasks and mixtures)
-from t5x_lite import cli, infer_lib
+from t5x_lite import cli
+from t5x_lite.run import infer_lib
 
 main = cli.gin_entry_point(infer_lib.infer)
 

@@ -2,14 +2,14 @@
 
 The model layer owns what T5X's `models.EncoderDecoderModel` owns: the loss (with
 z-loss, label smoothing and a loss normalizing mode), metric statistics, per-example
-scores and autoregressive predictions through `t5x_lite.decoding`. It never jits and
-never touches a mesh; `t5x_lite.partitioning.Partitioner` does both. `build_model`
+scores and autoregressive predictions through `t5x_lite.nn.decoding`. It never jits and
+never touches a mesh; `t5x_lite.training.partitioning.Partitioner` does both. `build_model`
 is the one place a model is built from a network config and the vocabulary.
 
 Metrics travel as sums (`losses.metric_sums`) so they add over microbatches;
 `finalize_metrics` turns them into the reported values.
 
-Importing this module loads no TensorFlow (seqio and `t5x_lite.vocab` load only when
+Importing this module loads no TensorFlow (seqio and `t5x_lite.data.vocab` load only when
 `build_model` needs the configured vocabulary), so a host with JAX alone can build,
 train and decode a model over any object with `eos_id` and `vocab_size`.
 """
@@ -25,8 +25,8 @@ import gin
 import jax
 import jax.numpy as jnp
 
-from t5x_lite import decoder_only, decoding, layers, losses, network, shared_encoder_decoder
-from t5x_lite.errors import ConfigError
+from t5x_lite.nn import decoder_only, decoding, layers, losses, network, shared_encoder_decoder
+from t5x_lite.core.errors import ConfigError
 
 if TYPE_CHECKING:
   import seqio
@@ -233,7 +233,7 @@ class EncoderDecoderModel:
 
     Returns:
       (decoder prompt [batch, max_len] of zeros, cache, tokens_to_logits, initial
-      step 0) for `t5x_lite.decoding`.
+      step 0) for `t5x_lite.nn.decoding`.
     """
     del min_decode_len  # the decoding loop enforces it
     max_len = max_decode_len or batch["decoder_input_tokens"].shape[1]
@@ -388,7 +388,7 @@ class DecoderOnlyModel(EncoderDecoderModel):
     max_decode_len: int | None,
     min_decode_len: int,
   ) -> tuple[jax.Array, PyTree, decoding.TokensToLogits, jax.Array]:
-    """Prompt, prefilled cache, step function and first step for `t5x_lite.decoding`.
+    """Prompt, prefilled cache, step function and first step for `t5x_lite.nn.decoding`.
 
     The decoding buffer is as wide as `decoder_input_tokens`, plus `max_decode_len`
     if given (then the output is cut to that many tokens). Decoding starts at the
@@ -553,7 +553,7 @@ def build_model(
   Raises:
     ConfigError: if the vocabulary has more ids than the network's embedding.
   """
-  from t5x_lite import vocab  # TensorFlow only when a model is configured
+  from t5x_lite.data import vocab  # TensorFlow only when a model is configured
 
   config = config or network.T5Config()
   vocabulary = vocabulary or vocab.get_vocabulary()

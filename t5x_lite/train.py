@@ -4,16 +4,16 @@ Example (the CPU quickstart):
 
   python -m t5x_lite.train --gin_file=quickstart.gin
 
-Check that a config fits a TPU slice first (no TPU needed; `t5x_lite.precompile`):
+Check that a config fits a TPU slice first (no TPU needed; `t5x_lite.run.precompile`):
 
   python -m t5x_lite.train --gin_file=... --precompile --topology=v5e:4x4
 
-Flags are described in `t5x_lite.cli`; the loop in `t5x_lite.train_lib`.
+Flags are described in `t5x_lite.cli`; the loop in `t5x_lite.run.train_lib`.
 Importing `tasks` registers the project's seqio tasks and mixtures; add your
 own with an `import my_tasks` line in a gin file.
 """
 
-from t5x_lite import console  # noqa: F401  (first: quiets TensorFlow and JAX start-up)
+from t5x_lite.core import console  # noqa: F401  (first: quiets TensorFlow and JAX start-up)
 
 import sys
 from collections.abc import Sequence
@@ -21,7 +21,8 @@ from collections.abc import Sequence
 from absl import app, flags
 
 import tasks  # noqa: F401  (registers seqio tasks and mixtures)
-from t5x_lite import cli, precompile, train_lib
+from t5x_lite import cli
+from t5x_lite.run import precompile, train_lib
 
 flags.DEFINE_bool(
   "precompile",

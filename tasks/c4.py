@@ -1,6 +1,6 @@
 """C4 pretraining tasks (TFDS c4/en:3.*.*; pass --tfds_data_dir to read your copy).
 
-c4_v220_<objective> for every objective of t5x_lite.objectives (span_corruption,
+c4_v220_<objective> for every objective of t5x_lite.data.objectives (span_corruption,
 iid_replace_spans, iid_drop_tokens, bert_style, iid_denoising, mass_style,
 deshuffling, prefix_lm, lm): the T5 paper's unsupervised objectives over the 'text' field
 (c4_v220_lm has targets only, for decoder-only models).
@@ -8,7 +8,7 @@ deshuffling, prefix_lm, lm): the T5 paper's unsupervised objectives over the 'te
 
 import seqio
 
-from t5x_lite import objectives
+from t5x_lite.data import objectives
 
 C4_TFDS_NAME = "c4/en:3.*.*"
 

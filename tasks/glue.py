@@ -3,7 +3,7 @@
 Inputs are "<task> <field>: <text> ..." with fields in T5's (sorted) order,
 targets the class name (STS-B: the score rounded to 0.2, e.g. "3.8").
 Predictions are postprocessed to class ids (-1 if not a class name) or floats.
-glue_v2 mixes the nine tasks with `t5x_lite.mixing.rate_for('glue_v2')`
+glue_v2 mixes the nine tasks with `t5x_lite.data.mixing.rate_for('glue_v2')`
 (gin `glue_v2/mixing_rate.*`).
 """
 
@@ -11,7 +11,7 @@ import functools
 
 import seqio
 
-from t5x_lite import mixing, preprocessors, task_metrics
+from t5x_lite.data import mixing, preprocessors, task_metrics
 
 # name: (input fields, label names (None: float label), metric fns).
 _GLUE = {

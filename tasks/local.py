@@ -10,7 +10,7 @@ to the working directory. See "Register a new task" in README.md to register you
   local_scitldr_a        scitldr_a/*.jsonl                 abstract -> TLDR, ROUGE
   local_tinyshakespeare_span_corruption   tinyshakespeare/input.txt (train only)
   local_wikitext2_span_corruption         wikitext2/{valid,test}.txt (validation/test only)
-  local_unlabeled_span_corruption         t5x_lite.unlabeled_text (the input side of the
+  local_unlabeled_span_corruption         t5x_lite.data.unlabeled_text (the input side of the
                                           files above, CPython's docs), span-corrupted: the
                                           transfer recipe's pre-training task
   local_multitask        the four fine-tuning tasks above (SST-2, RTE, Multi30k, SciTLDR)
@@ -18,7 +18,7 @@ to the working directory. See "Register a new task" in README.md to register you
                          leave-one-out: local_multitask minus that task
 
 The multi-task mixtures share one gin scope, `local_multitask/mixing_rate.*`
-(t5x_lite.mixing), so a leave-one-out mixture always mixes like the full one. Each
+(t5x_lite.data.mixing), so a leave-one-out mixture always mixes like the full one. Each
 task's source counts its records, so all three strategies work for them.
 """
 
@@ -26,7 +26,14 @@ import functools
 
 import seqio
 
-from t5x_lite import file_sources, mixing, objectives, preprocessors, task_metrics, unlabeled_text
+from t5x_lite.data import (
+  file_sources,
+  mixing,
+  objectives,
+  preprocessors,
+  task_metrics,
+  unlabeled_text,
+)
 from tasks import glue, wmt
 
 _SST2_LABELS = {"0": "negative", "1": "positive"}

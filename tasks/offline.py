@@ -1,6 +1,6 @@
 """Offline tasks over text that ships with CPython, and the `quickstart` mixture.
 
-  cpython_<objective>        each objective of t5x_lite.objectives over pydoc topics and
+  cpython_<objective>        each objective of t5x_lite.data.objectives over pydoc topics and
                              stdlib docstrings (tools/compare.py's objectives table):
     cpython_span_corruption  span corruption, half of the quickstart mixture
     cpython_lm               plain language modelling (targets only): the decoder-only
@@ -8,10 +8,11 @@
     cpython_prefix_lm        the prefix LM objective: the prefix LM quickstart's task
   cpython_code_to_docstring  "summarize python: <function source>" -> first docstring line, ROUGE
   quickstart                 cpython_span_corruption and cpython_code_to_docstring, mixed by
-                             t5x_lite.mixing.rate_for('quickstart') (gin quickstart/mixing_rate.*)
+                             t5x_lite.data.mixing.rate_for('quickstart')
+                             (gin quickstart/mixing_rate.*)
 
 All have deterministic, disjoint 'train' and 'validation' splits
-(t5x_lite.cpython_corpus). Quickstart feature lengths: inputs 128, targets 32
+(t5x_lite.data.cpython_corpus). Quickstart feature lengths: inputs 128, targets 32
 (span corruption at inputs 128 gives targets of 29 tokens).
 """
 
@@ -19,7 +20,14 @@ import functools
 
 import seqio
 
-from t5x_lite import cpython_corpus, file_sources, mixing, objectives, preprocessors, task_metrics
+from t5x_lite.data import (
+  cpython_corpus,
+  file_sources,
+  mixing,
+  objectives,
+  preprocessors,
+  task_metrics,
+)
 
 QUICKSTART_FEATURE_LENGTHS = {"inputs": 128, "targets": 32}
 

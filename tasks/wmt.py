@@ -4,7 +4,7 @@ import functools
 
 import seqio
 
-from t5x_lite import preprocessors, task_metrics
+from t5x_lite.data import preprocessors, task_metrics
 
 # "translate English to German: <en>" -> "<de>"; shared with tasks/local.py's Multi30k.
 EN_TO_DE_PREPROCESSORS = preprocessors.supervised_preprocessors(

@@ -19,7 +19,7 @@ import sys
 
 import pytest
 
-from t5x_lite import flops
+from t5x_lite.nn import flops
 from t5x_peer import PEER_PYTHON, needs_t5x_peer
 from tiny_models import tiny_config
 

@@ -1,4 +1,4 @@
-"""Tests for t5x_lite.checkpoints and t5x_lite.checkpoint_manifest."""
+"""Tests for t5x_lite.checkpoint.checkpoints and t5x_lite.checkpoint.manifest."""
 
 import dataclasses
 import json
@@ -14,9 +14,10 @@ import pytest
 from flax import traverse_util
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from t5x_lite import checkpoints, network, train_checkpointer
-from t5x_lite.checkpoint_manifest import FILE_MANIFEST
-from t5x_lite.errors import CheckpointError, ConfigError, CorruptCheckpointError, UserError
+from t5x_lite.nn import network
+from t5x_lite.checkpoint import checkpoints, train_checkpointer
+from t5x_lite.checkpoint.manifest import FILE_MANIFEST
+from t5x_lite.core.errors import CheckpointError, ConfigError, CorruptCheckpointError, UserError
 from tiny_models import tiny_config
 
 

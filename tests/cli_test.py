@@ -9,7 +9,9 @@ import pytest
 from absl import app, flags
 
 import tasks  # noqa: F401  (registers local_data_dir through tasks.local)
-from t5x_lite import cli, data, errors, file_sources
+from t5x_lite import cli
+from t5x_lite.core import errors
+from t5x_lite.data import file_sources, pipeline
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -51,10 +53,10 @@ def test_task_modules_are_found_in_the_working_directory(tmp_path, monkeypatch):
   (tmp_path / "cli_test_user_tasks.py").write_text("REGISTERED = True\n")
   monkeypatch.chdir(tmp_path)
   monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
-  data.import_task_modules(["cli_test_user_tasks"])
+  pipeline.import_task_modules(["cli_test_user_tasks"])
   assert sys.modules["cli_test_user_tasks"].REGISTERED
   with pytest.raises(errors.ConfigError, match="no module 'cli_test_no_such_module'"):
-    data.import_task_modules(["cli_test_no_such_module"])
+    pipeline.import_task_modules(["cli_test_no_such_module"])
   # T5X's gin macro names the module too.
   (tmp_path / "cli_test_macro_tasks.py").write_text("REGISTERED = True\n")
   gin.clear_config()

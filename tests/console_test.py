@@ -1,4 +1,4 @@
-"""Tests of `t5x_lite.console`: environment defaults and the stderr line filter.
+"""Tests of `t5x_lite.core.console`: environment defaults and the stderr line filter.
 
 That an entry point's whole output is free of start-up noise is checked on a
 real training run in train_test.py.
@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from t5x_lite import console
+from t5x_lite.core import console
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -46,7 +46,7 @@ def test_jax_chooses_its_platform_where_an_accelerator_may_exist():
 @pytest.mark.slow
 def test_filter_drops_matching_lines_of_native_and_python_writes():
   code = (
-    "import os, sys\nfrom t5x_lite import console\n"
+    "import os, sys\nfrom t5x_lite.core import console\n"
     "with console.native_stderr_without(('cudart_stub.cc', 'noise')):\n"
     "  os.write(2, b'kept 1\\nI0000 cudart_stub.cc:31] Could not find cuda drivers\\n')\n"
     "  print('some noise', file=sys.stderr)\n"
@@ -60,7 +60,7 @@ def test_filter_drops_matching_lines_of_native_and_python_writes():
 @pytest.mark.slow
 def test_lines_before_a_crash_inside_the_filter_still_show():
   crash = (
-    "import os\nfrom t5x_lite import console\n"
+    "import os\nfrom t5x_lite.core import console\n"
     "with console.native_stderr_without(('noise',)):\n"
     "  os.write(2, b'noise\\nF0000 the real problem\\n')\n"
     "  os.abort()\n"
@@ -72,7 +72,7 @@ def test_lines_before_a_crash_inside_the_filter_still_show():
 
 @pytest.mark.slow
 def test_tensorflow_import_prints_no_cuda_stub_lines():
-  result = _python("from t5x_lite import console\nimport tensorflow")
+  result = _python("from t5x_lite.core import console\nimport tensorflow")
   assert result.returncode == 0, result.stderr
   assert not any(noise in result.stderr for noise in console.TENSORFLOW_IMPORT_NOISE), result.stderr
 
@@ -115,7 +115,7 @@ def test_entry_point_restarts_itself_once_with_huge_page_malloc():
     "import importlib.util, os, sys\n"
     "sys.modules['__main__'].__spec__ = importlib.util.find_spec('t5x_lite.infer')\n"
     "print(os.getpid(), os.environ.get('GLIBC_TUNABLES'), flush=True)\n"
-    "from t5x_lite import console\n"
+    "from t5x_lite.core import console\n"
     "print('after', flush=True)\n"
   )
   environ = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
@@ -129,6 +129,6 @@ def test_entry_point_restarts_itself_once_with_huge_page_malloc():
   assert after == "after"
   # Any other __main__ (a test, a notebook, a user's script) is left alone.
   plain = _python(
-    "import os\nfrom t5x_lite import console\nprint(os.environ.get('GLIBC_TUNABLES'))"
+    "import os\nfrom t5x_lite.core import console\nprint(os.environ.get('GLIBC_TUNABLES'))"
   )
   assert plain.stdout.split() == [os.environ.get("GLIBC_TUNABLES", "None")]

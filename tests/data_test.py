@@ -1,4 +1,4 @@
-"""Tests for t5x_lite.data: sharded global batches, determinism, exact resume, eval."""
+"""Tests for t5x_lite.data.pipeline: sharded global batches, determinism, exact resume, eval."""
 
 import dataclasses
 import functools
@@ -13,8 +13,8 @@ import seqio
 import tensorflow as tf
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from t5x_lite import data, preprocessors
-from t5x_lite.errors import ConfigError
+from t5x_lite.data import pipeline, preprocessors
+from t5x_lite.core.errors import ConfigError
 
 TASK = "data_test_bytes"
 NUM_TRAIN, NUM_VALIDATION = 120, 11
@@ -80,8 +80,8 @@ def sharding() -> NamedSharding:
   return NamedSharding(mesh, PartitionSpec("data"))
 
 
-def _config(**overrides) -> data.DatasetConfig:
-  config = data.DatasetConfig(
+def _config(**overrides) -> pipeline.DatasetConfig:
+  config = pipeline.DatasetConfig(
     mixture_or_task_name=TASK,
     task_feature_lengths={"inputs": 64, "targets": 64},
     batch_size=8,
@@ -90,7 +90,7 @@ def _config(**overrides) -> data.DatasetConfig:
   return dataclasses.replace(config, **overrides)
 
 
-def _as_numpy(batch: data.Batch) -> dict[str, np.ndarray]:
+def _as_numpy(batch: pipeline.Batch) -> dict[str, np.ndarray]:
   return {k: np.asarray(v) for k, v in batch.items()}
 
 
@@ -107,7 +107,7 @@ def _assert_same(a: list[dict], b: list[dict]) -> None:
 
 
 def test_train_batches_are_global_and_sharded_over_data(sharding):
-  batch = next(data.train_iterator(_config(), sharding))
+  batch = next(pipeline.train_iterator(_config(), sharding))
   expected = {
     "encoder_input_tokens",
     "encoder_segment_ids",
@@ -127,7 +127,7 @@ def test_train_batches_are_global_and_sharded_over_data(sharding):
 
 
 def test_model_input_shapes_follow_feature_converter():
-  shapes = data.model_input_shapes(_config(pack=False))
+  shapes = pipeline.model_input_shapes(_config(pack=False))
   assert shapes == {
     "encoder_input_tokens": (8, 64),
     "decoder_input_tokens": (8, 64),
@@ -137,24 +137,24 @@ def test_model_input_shapes_follow_feature_converter():
 
 
 def test_same_seed_same_batches_other_seed_other_batches(sharding):
-  first = _take(data.train_iterator(_config(), sharding), 3)
-  _assert_same(first, _take(data.train_iterator(_config(), sharding), 3))
-  other = _take(data.train_iterator(_config(seed=8), sharding), 3)
+  first = _take(pipeline.train_iterator(_config(), sharding), 3)
+  _assert_same(first, _take(pipeline.train_iterator(_config(), sharding), 3))
+  other = _take(pipeline.train_iterator(_config(seed=8), sharding), 3)
   assert not all(
     np.array_equal(a["encoder_input_tokens"], b["encoder_input_tokens"])
     for a, b in zip(first, other)
   )
 
 
-@pytest.mark.parametrize("mode", data.CHECKPOINT_MODES)
+@pytest.mark.parametrize("mode", pipeline.CHECKPOINT_MODES)
 def test_restored_iterator_continues_exactly(sharding, tmp_path, mode):
-  reference = data.train_iterator(_config(), sharding, mode)
+  reference = pipeline.train_iterator(_config(), sharding, mode)
   _take(reference, 4)
   path = str(tmp_path / "process_0-of-1")
   reference.save_state(path)
   expected = _take(reference, 3)
 
-  resumed = data.train_iterator(_config(), sharding, mode)
+  resumed = pipeline.train_iterator(_config(), sharding, mode)
   resumed.restore_state(path)
   assert resumed.batches_consumed == 4
   _assert_same(expected, _take(resumed, 3))
@@ -163,16 +163,16 @@ def test_restored_iterator_continues_exactly(sharding, tmp_path, mode):
 
 def test_unknown_checkpoint_mode_is_rejected(sharding):
   with pytest.raises(ValueError, match="checkpoint_mode"):
-    data.train_iterator(_config(), sharding, "rewind")
+    pipeline.train_iterator(_config(), sharding, "rewind")
 
 
 def test_eval_batches_fixed_count_unshuffled_zero_padded(sharding):
   config = _config(split="validation", pack=False)
-  batches = [_as_numpy(b) for b in data.eval_batches(config, sharding, 3)]
+  batches = [_as_numpy(b) for b in pipeline.eval_batches(config, sharding, 3)]
   assert len(batches) == 3
   rows = [int(b["decoder_target_tokens"].any(axis=1).sum()) for b in batches]
   assert rows == [8, NUM_VALIDATION - 8, 0]  # 11 examples: full, partial, padding
-  again = [_as_numpy(b) for b in data.eval_batches(config, sharding, 3)]
+  again = [_as_numpy(b) for b in pipeline.eval_batches(config, sharding, 3)]
   _assert_same(batches, again)
   first_input = seqio.ByteVocabulary().decode(
     [int(t) for t in batches[0]["encoder_input_tokens"][0] if t > 1]
@@ -183,19 +183,19 @@ def test_eval_batches_fixed_count_unshuffled_zero_padded(sharding):
 def test_batch_size_must_divide_over_processes(monkeypatch):
   monkeypatch.setattr(jax, "process_count", lambda: 3)
   with pytest.raises(ValueError, match="not divisible"):
-    data.per_host_batch_size(8)
+    pipeline.per_host_batch_size(8)
 
 
 def test_unknown_name_lists_closest_registered_names():
   with pytest.raises(ConfigError) as e:
-    data.get_mixture_or_task("data_test_byte")
+    pipeline.get_mixture_or_task("data_test_byte")
   assert str(e.value).startswith(
     "No seqio task or mixture named 'data_test_byte' (closest: data_test_bytes"
   )
   assert "tools/show_task.py --list" in str(e.value)
   with pytest.raises(ConfigError, match="'data_test_mixture' \\(closest: data_test_mix"):
     _config(mixture_or_task_name="data_test_mixture")
-  assert isinstance(data.get_mixture_or_task("data_test_mix"), seqio.Mixture)
+  assert isinstance(pipeline.get_mixture_or_task("data_test_mix"), seqio.Mixture)
 
 
 @pytest.mark.parametrize(
@@ -211,17 +211,17 @@ def test_missing_feature_names_task_feature_and_columns(sharding, name, preproce
     "but the source has columns ['sentence', 'lbl']"
   )
   with pytest.raises(ConfigError) as e:
-    next(data.train_iterator(_config(mixture_or_task_name=name), sharding))
+    next(pipeline.train_iterator(_config(mixture_or_task_name=name), sharding))
   assert str(e.value) == expected
   with pytest.raises(ConfigError) as e:
-    data.truncation_report(_config(mixture_or_task_name=name))
+    pipeline.truncation_report(_config(mixture_or_task_name=name))
   assert str(e.value) == expected
 
 
 def test_missing_feature_in_a_mixture_names_the_task(sharding):
   config = _config(mixture_or_task_name="data_test_mix", split="train")
   with pytest.raises(ConfigError, match="^Task data_test_text_to_text: preprocessor text_to_text"):
-    next(data.eval_batches(config, sharding, 1))
+    next(pipeline.eval_batches(config, sharding, 1))
 
 
 def test_truncation_report_counts_untrimmed_lengths(caplog):
@@ -230,7 +230,7 @@ def test_truncation_report_counts_untrimmed_lengths(caplog):
     mixture_or_task_name="data_test_pairs", task_feature_lengths={"inputs": 35, "targets": 16}
   )
   with caplog.at_level(logging.WARNING):
-    report = data.log_truncation(config)
+    report = pipeline.log_truncation(config)
   inputs, targets = report["data_test_pairs"]["inputs"], report["data_test_pairs"]["targets"]
   assert (inputs.num_examples, inputs.num_truncated) == (NUM_SENTENCES, 4)
   assert (targets.num_examples, targets.num_truncated) == (NUM_SENTENCES, 2)
@@ -238,7 +238,7 @@ def test_truncation_report_counts_untrimmed_lengths(caplog):
     "data_test_pairs: 4 of 8 examples (50.0%) have inputs longer than 35 tokens and are truncated"
   ) in caplog.text
   assert "data_test_pairs: 2 of 8 examples (25.0%) have targets" in caplog.text
-  sample = data.truncation_report(config, num_examples=5)["data_test_pairs"]["inputs"]
+  sample = pipeline.truncation_report(config, num_examples=5)["data_test_pairs"]["inputs"]
   assert (sample.num_examples, sample.num_truncated) == (5, 1)
 
 
@@ -246,13 +246,13 @@ def test_data_benchmark_times_the_training_pipeline(monkeypatch):
   sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "tools"))
   import data_benchmark  # tools/data_benchmark.py
 
-  built, host_dataset = [], data.host_dataset
+  built, host_dataset = [], pipeline.host_dataset
 
   def recorded(config, **kwargs):
     built.append((config, kwargs))
     return host_dataset(config, **kwargs)
 
-  monkeypatch.setattr(data, "host_dataset", recorded)
+  monkeypatch.setattr(pipeline, "host_dataset", recorded)
   lengths = {"inputs": 64, "targets": 64}
   result = data_benchmark.measure_pipeline(TASK, lengths, batch_size=4, num_batches=3)
   ((config, kwargs),) = built

@@ -9,16 +9,12 @@ import tensorflow as tf
 from flax import linen as nn
 
 import tasks  # noqa: F401  (registers the offline tasks)
-from t5x_lite import (
-  data,
-  decoder_only,
-  decoding,
-  flops,
-  infer_lib,
-  models,
-  partitioning,
-)
-from t5x_lite.errors import ConfigError
+from t5x_lite import models
+from t5x_lite.nn import decoder_only, decoding, flops
+from t5x_lite.data import pipeline
+from t5x_lite.training import partitioning
+from t5x_lite.run import infer_lib
+from t5x_lite.core.errors import ConfigError
 from tiny_models import tiny_config, train_losses
 
 VOCAB = 64
@@ -240,11 +236,11 @@ def test_infer_batches_equal_seqios_prefix_lm_features():
 
 
 def test_feature_converter_and_flops_follow_the_architecture():
-  config = data.DatasetConfig("cpython_span_corruption", {"inputs": 16, "targets": 8}, 4)
-  assert isinstance(data.feature_converter(config), seqio.EncDecFeatureConverter)
-  lm_config = data.for_model(config, tiny_lm_config("prefix_lm"))
-  assert isinstance(data.feature_converter(lm_config), seqio.DecoderFeatureConverter)
-  assert data.model_feature_lengths(lm_config) == {
+  config = pipeline.DatasetConfig("cpython_span_corruption", {"inputs": 16, "targets": 8}, 4)
+  assert isinstance(pipeline.feature_converter(config), seqio.EncDecFeatureConverter)
+  lm_config = pipeline.for_model(config, tiny_lm_config("prefix_lm"))
+  assert isinstance(pipeline.feature_converter(lm_config), seqio.DecoderFeatureConverter)
+  assert pipeline.model_feature_lengths(lm_config) == {
     "decoder_target_tokens": 24,
     "decoder_input_tokens": 24,
     "decoder_loss_weights": 24,
@@ -269,4 +265,4 @@ def test_configs_name_what_is_wrong():
   with pytest.raises(ConfigError, match="num_encoder_layers must be 0"):
     tiny_config(architecture="decoder_only")
   with pytest.raises(ConfigError, match="DatasetConfig.architecture"):
-    data.DatasetConfig("cpython_span_corruption", {"targets": 8}, 4, architecture="lm")
+    pipeline.DatasetConfig("cpython_span_corruption", {"targets": 8}, 4, architecture="lm")

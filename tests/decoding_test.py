@@ -1,4 +1,4 @@
-"""Tests for t5x_lite.decoding against brute-force references on a tiny cached model.
+"""Tests for t5x_lite.nn.decoding against brute-force references on a tiny cached model.
 
 The toy model is a position-dependent trigram table: the logits for the next token
 depend on the fed token, the token before it (read from the cache, so a wrong beam
@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
-from t5x_lite import decoding
+from t5x_lite.nn import decoding
 
 EOS = 1
 VOCAB = 5
@@ -426,7 +426,7 @@ def network_decoder(scan_layers: bool, share_encoded: bool = False):
   """
   from flax import linen as nn
 
-  from t5x_lite import network
+  from t5x_lite.nn import network
 
   config = network.T5Config(
         vocab_size=24, emb_dim=16, num_heads=2, head_dim=8, mlp_dim=32,

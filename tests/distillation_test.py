@@ -13,19 +13,13 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from t5x_lite import (
-  checkpoints,
-  data,
-  distillation,
-  errors,
-  gin_config,
-  models,
-  network,
-  optimizers,
-  partitioning,
-  train_lib,
-  trainer,
-)
+from t5x_lite import distillation, models
+from t5x_lite.core import errors, gin_config
+from t5x_lite.nn import network
+from t5x_lite.data import pipeline
+from t5x_lite.checkpoint import checkpoints
+from t5x_lite.training import optimizers, partitioning, trainer
+from t5x_lite.run import train_lib
 from text_tasks import VOCAB, register_text_task
 from tiny_models import tiny_checkpoint_config
 
@@ -174,8 +168,8 @@ def test_gradients_reach_the_student_only_and_the_step_keeps_the_teacher():
   )
 
 
-def _dataset() -> data.DatasetConfig:
-  return data.DatasetConfig(
+def _dataset() -> pipeline.DatasetConfig:
+  return pipeline.DatasetConfig(
     mixture_or_task_name=TASK,
     task_feature_lengths={"inputs": 40, "targets": 40},
     batch_size=8,

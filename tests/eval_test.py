@@ -1,4 +1,4 @@
-"""Tests of checkpoint evaluation (t5x_lite.eval_lib) and the eval entry point.
+"""Tests of checkpoint evaluation (t5x_lite.run.eval_lib) and the eval entry point.
 
 The entry-point test trains a tiny model with the real train entry (offline
 `quickstart` mixture, two checkpoints) and evaluates it with `python -m
@@ -23,23 +23,14 @@ import seqio
 import tensorflow as tf
 from etils import epath
 
-from t5x_lite import (
-  checkpoints,
-  data,
-  eval_lib,
-  infer_lib,
-  model_runner,
-  models,
-  network,
-  optimizers,
-  partitioning,
-  task_evaluator,
-  task_metrics,
-  train_checkpointer,
-  train_lib,
-)
-from t5x_lite.checkpoint_manifest import FILE_MANIFEST
-from t5x_lite.errors import CheckpointError, ConfigError, CorruptCheckpointError
+from t5x_lite import models
+from t5x_lite.nn import network
+from t5x_lite.data import pipeline, task_metrics
+from t5x_lite.checkpoint import checkpoints, train_checkpointer
+from t5x_lite.training import optimizers, partitioning
+from t5x_lite.run import eval_lib, infer_lib, model_runner, task_evaluator, train_lib
+from t5x_lite.checkpoint.manifest import FILE_MANIFEST
+from t5x_lite.core.errors import CheckpointError, ConfigError, CorruptCheckpointError
 from tiny_models import tiny_checkpoint_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -114,7 +105,7 @@ class StubRunner:
     return -(batch["decoder_target_tokens"] > 0).sum(axis=1).astype(np.float32)
 
 
-def _dataset_cfg(name: str = MIXTURE, **overrides) -> data.DatasetConfig:
+def _dataset_cfg(name: str = MIXTURE, **overrides) -> pipeline.DatasetConfig:
   fields = dict(
     mixture_or_task_name=name,
     task_feature_lengths=LENGTHS,
@@ -124,7 +115,7 @@ def _dataset_cfg(name: str = MIXTURE, **overrides) -> data.DatasetConfig:
     pack=False,
   )
   fields.update(overrides)
-  return data.DatasetConfig(**fields)
+  return pipeline.DatasetConfig(**fields)
 
 
 def test_metrics_of_predictions_scores_and_loss_only_task(tmp_path, caplog):
@@ -198,7 +189,7 @@ def test_real_model_scores_match_score_batch_and_steps_are_skipped(tmp_path):
     partitioning.Partitioner().abstract_params(model.init_params)[0],
   )
   batch = next(
-    data.eval_batches(
+    pipeline.eval_batches(
       _dataset_cfg(LABELED_TASK, batch_size=NUM_EXAMPLES),
       jax.sharding.SingleDeviceSharding(jax.devices()[0]),
       1,

@@ -1,11 +1,11 @@
-"""Tests for t5x_lite.file_sources: TSV headers, byte-order marks, columns=, splits."""
+"""Tests for t5x_lite.data.file_sources: TSV headers, byte-order marks, columns=, splits."""
 
 import gzip
 
 import pytest
 
-from t5x_lite import file_sources
-from t5x_lite.errors import ConfigError, UserError
+from t5x_lite.data import file_sources
+from t5x_lite.core.errors import ConfigError, UserError
 
 BOM = "\ufeff"
 

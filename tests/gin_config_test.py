@@ -1,4 +1,7 @@
-"""Tests of the gin flags and gin parsing shared by entry points and tools (t5x_lite.gin_config)."""
+"""Tests of the gin flags and gin parsing shared by entry points and tools.
+
+The module under test is t5x_lite.core.gin_config.
+"""
 
 import glob
 import os
@@ -9,7 +12,7 @@ import gin
 import pytest
 from absl import flags
 
-from t5x_lite import errors, gin_config
+from t5x_lite.core import errors, gin_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -17,7 +20,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def test_imports_neither_seqio_nor_tensorflow_nor_jax():
   # Tools that only need a gin-configured network (tools/model_info.py) rely on this.
   code = (
-    "import sys, t5x_lite.gin_config; "
+    "import sys, t5x_lite.core.gin_config; "
     "print(sorted(m for m in sys.modules if m.startswith(('seqio', 'tensorflow', 'jax'))))"
   )
   result = subprocess.run(

@@ -1,4 +1,4 @@
-"""Tests for t5x_lite.hf_interop and tools/convert_hf_checkpoint.py.
+"""Tests for t5x_lite.interop.hf and tools/convert_hf_checkpoint.py.
 
 Tiny randomly initialised transformers T5 models (1.0: tied, relu; 1.1: untied,
 gated-gelu) are saved as safetensors, loaded into t5x_lite and compared against
@@ -22,8 +22,10 @@ import safetensors.numpy
 import torch
 import transformers
 
-from t5x_lite import checkpoints, hf_interop, network, train_checkpointer
-from t5x_lite.errors import CheckpointNotFoundError, CorruptCheckpointError
+from t5x_lite.nn import network
+from t5x_lite.checkpoint import checkpoints, train_checkpointer
+from t5x_lite.interop import hf as hf_interop
+from t5x_lite.core.errors import CheckpointNotFoundError, CorruptCheckpointError
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VOCAB = 128

@@ -1,4 +1,4 @@
-"""Tests of batch inference (t5x_lite.infer_lib, t5x_lite.model_runner) and the infer entry.
+"""Tests of batch inference (t5x_lite.run.infer_lib, t5x_lite.run.model_runner) and the infer entry.
 
 In-process tests use a random tiny model with the byte vocabulary written as a
 params-only checkpoint; the entry-point test runs `python -m t5x_lite.infer`
@@ -20,17 +20,13 @@ import pytest
 import seqio
 import tensorflow as tf
 
-from t5x_lite import (
-  infer_lib,
-  checkpoints,
-  file_sources,
-  model_runner,
-  models,
-  network,
-  partitioning,
-  preprocessors,
-)
-from t5x_lite.errors import CheckpointError, ConfigError, UserError
+from t5x_lite import models
+from t5x_lite.nn import network
+from t5x_lite.data import file_sources, preprocessors
+from t5x_lite.checkpoint import checkpoints
+from t5x_lite.training import partitioning
+from t5x_lite.run import infer_lib, model_runner
+from t5x_lite.core.errors import CheckpointError, ConfigError, UserError
 from tiny_models import tiny_checkpoint_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

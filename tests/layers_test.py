@@ -1,4 +1,4 @@
-"""Tests of t5x_lite.layers against hand-derived goldens and numpy references."""
+"""Tests of t5x_lite.nn.layers against hand-derived goldens and numpy references."""
 
 import re
 
@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from t5x_lite import layers
+from t5x_lite.nn import layers
 
 # relative_position = key_position - query_position; positive = key after the query.
 DISTANCES = [0, 1, -1, 7, -7, 8, -8, 15, -15, 16, -16, 100, -100, 127, -127, 128, -128, 1000, -1000]

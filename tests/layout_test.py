@@ -1,28 +1,45 @@
-"""The README's Layout names every package module, in layers the imports respect."""
+"""The package's layers: every module in one, imports only downwards, no cycles.
+
+LAYERS is the rule: lowest first, each a list of subpackages (every module in the
+folder) and top-level modules of t5x_lite. A module may import its own layer and the
+layers before it. README.md's package map describes the same folders in prose.
+"""
 
 import ast
 import pathlib
-import re
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "t5x_lite"
 
+LAYERS: list[tuple[str, list[str]]] = [
+  ("core", ["core"]),  # errors, paths, cache, start-up, gin parsing
+  ("nn", ["nn"]),  # the network math
+  ("data", ["data"]),  # sources, vocabulary, objectives, mixing, the pipeline
+  # distillation.py restores its teacher through checkpoint.checkpoints.
+  ("checkpoint", ["checkpoint"]),
+  ("model", ["models", "distillation"]),  # the model contract and its members
+  ("training", ["training"]),  # partitioning imports models
+  # interop.t5x converts Adafactor state through training.factored_moments.
+  ("interop", ["interop"]),
+  # run.train_lib evaluates during training through run.eval_lib.
+  ("run", ["run"]),
+  ("entry points", ["cli", "train", "eval", "infer"]),  # cli.setup imports data.pipeline
+]
 
-def _layers() -> list[list[str]]:
-  """Module names per `t5x_lite/ <layer>` heading of the README's Layout block."""
-  readme = (ROOT / "README.md").read_text(encoding="utf-8")
-  block = readme.split("## Layout", 1)[1].split("```", 2)[1]
-  layers: list[list[str]] = []
-  for line in block.splitlines():
-    if line.startswith("t5x_lite/"):
-      layers.append([])
-    elif line.startswith("  ") and layers:
-      # The module names start the line; the description follows two spaces later.
-      names = re.split(r"\s{2,}", line.strip())[0].split()
-      layers[-1] += [n[:-3] for n in names if n.endswith(".py")]
-    elif line and not line.startswith(" "):
-      break  # gin/, tasks/, tools/
-  return layers
+
+def _modules() -> list[str]:
+  """Dotted names of every module of the package, `__init__` files excluded."""
+  return sorted(
+    ".".join(p.relative_to(ROOT).with_suffix("").parts)
+    for p in PACKAGE.rglob("*.py")
+    if p.stem != "__init__"
+  )
+
+
+def _layer_of(module: str) -> int:
+  """The LAYERS index of `t5x_lite.<unit>[.<name>]` (KeyError if its unit is unlisted)."""
+  unit = module.split(".")[1]
+  return {u: i for i, (_, units) in enumerate(LAYERS) for u in units}[unit]
 
 
 def _type_checking_imports(tree: ast.Module) -> set[ast.AST]:
@@ -37,49 +54,71 @@ def _type_checking_imports(tree: ast.Module) -> set[ast.AST]:
 
 
 def _imports(module: str) -> set[str]:
-  """Package modules that `t5x_lite/<module>.py` imports when it runs."""
-  tree = ast.parse((PACKAGE / f"{module}.py").read_text(encoding="utf-8"))
+  """Package modules that `module` imports when it runs (at import time or in a function)."""
+  path = ROOT.joinpath(*module.split(".")).with_suffix(".py")
+  tree = ast.parse(path.read_text(encoding="utf-8"))
+  known = set(_modules())
   found = set()
   typing_only = _type_checking_imports(tree)
   for node in ast.walk(tree):
     if node in typing_only:
       continue
-    if isinstance(node, ast.ImportFrom) and node.module == "t5x_lite":
-      found |= {alias.name for alias in node.names}
-    elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("t5x_lite."):
-      found.add(node.module.split(".")[1])
+    if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("t5x_lite"):
+      assert node.level == 0, f"{module}: relative import"
+      # `from t5x_lite.nn import layers` imports a module; `from t5x_lite.nn.layers import
+      # Dense` a name of one.
+      for alias in node.names:
+        name = f"{node.module}.{alias.name}"
+        found.add(name if name in known else node.module)
     elif isinstance(node, ast.Import):
-      found |= {a.name.split(".")[1] for a in node.names if a.name.startswith("t5x_lite.")}
+      found |= {a.name for a in node.names if a.name.startswith("t5x_lite.")}
+  unknown = found - known
+  assert not unknown, f"{module} imports {sorted(unknown)}, which are not modules"
   return found - {module}
 
 
-def test_layout_lists_every_module_once():
-  listed = [m for layer in _layers() for m in layer]
-  modules = sorted(p.stem for p in PACKAGE.glob("*.py") if p.stem != "__init__")
-  assert len(listed) == len(set(listed)), listed
-  assert sorted(listed) == modules
+def test_every_module_is_in_exactly_one_layer():
+  units = [u for _, layer in LAYERS for u in layer]
+  assert len(units) == len(set(units)), units
+  folders = sorted(p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists())
+  top_level = sorted(p.stem for p in PACKAGE.glob("*.py") if p.stem != "__init__")
+  assert sorted(units) == sorted(folders + top_level)
+  for module in _modules():
+    _layer_of(module)  # raises KeyError for a module outside every layer
+
+
+def test_only_listed_modules_sit_directly_in_the_package():
+  top_level = {p.stem for p in PACKAGE.glob("*.py")} - {"__init__"}
+  listed = {u for _, layer in LAYERS for u in layer if (PACKAGE / f"{u}.py").exists()}
+  assert top_level == listed, f"move {sorted(top_level - listed)} into a layer's folder"
+
+
+def test_subpackage_inits_import_nothing():
+  for init in PACKAGE.rglob("__init__.py"):
+    tree = ast.parse(init.read_text(encoding="utf-8"))
+    assert ast.get_docstring(tree), f"{init}: say what the layer owns"
+    assert len(tree.body) == 1, f"{init}: only a docstring (importing changes nothing)"
 
 
 def test_modules_import_only_their_own_or_earlier_layers():
-  layer_of = {m: i for i, layer in enumerate(_layers()) for m in layer}
   upward = [
-    f"{module} ({layer_of[module]}) imports {dep} ({layer_of[dep]})"
-    for module in layer_of
+    f"{module} ({LAYERS[_layer_of(module)][0]}) imports {dep} ({LAYERS[_layer_of(dep)][0]})"
+    for module in _modules()
     for dep in sorted(_imports(module))
-    if layer_of[dep] > layer_of[module]
+    if _layer_of(dep) > _layer_of(module)
   ]
   assert not upward, upward
 
 
 def test_no_import_cycles():
-  graph = {m: _imports(m) for m in (p.stem for p in PACKAGE.glob("*.py"))}
+  graph = {m: _imports(m) for m in _modules()}
   done: set[str] = set()
 
   def visit(module: str, path: tuple[str, ...]) -> None:
     assert module not in path, f"import cycle: {' -> '.join(path + (module,))}"
     if module in done:
       return
-    for dep in graph.get(module, ()):
+    for dep in graph[module]:
       visit(dep, path + (module,))
     done.add(module)
 

@@ -1,11 +1,11 @@
-"""Tests for t5x_lite.losses against numpy references."""
+"""Tests for t5x_lite.nn.losses against numpy references."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from t5x_lite import losses
+from t5x_lite.nn import losses
 
 
 def _np_log_softmax(logits: np.ndarray) -> np.ndarray:

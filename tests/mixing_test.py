@@ -1,4 +1,7 @@
-"""Tests for t5x_lite.mixing: the T5 paper's mixing strategies, per mixture, and their sampling."""
+"""Tests for t5x_lite.data.mixing.
+
+The T5 paper's mixing strategies, per mixture, and their sampling.
+"""
 
 import collections
 
@@ -8,8 +11,8 @@ import seqio
 import tensorflow as tf
 
 import tasks  # noqa: F401  (registers local_multitask and its leave-one-out mixtures)
-from t5x_lite import mixing
-from t5x_lite.errors import ConfigError
+from t5x_lite.data import mixing
+from t5x_lite.core.errors import ConfigError
 
 pytestmark = pytest.mark.usefixtures("clean_gin")
 
@@ -169,7 +172,7 @@ def test_bad_binding_is_one_line_naming_mixture_and_binding(binding, message):
   gin.parse_config(binding)
   with pytest.raises(ConfigError) as e:
     mixing.normalized_rates(mixture)
-  # gin appends "In call to configurable ..." lines, which t5x_lite.errors.fail drops.
+  # gin appends "In call to configurable ..." lines, which t5x_lite.core.errors.fail drops.
   assert str(e.value).splitlines()[0] == message
 
 

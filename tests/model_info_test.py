@@ -13,7 +13,8 @@ import jax
 import pytest
 from flax.core import meta
 
-from t5x_lite import flops, models, network
+from t5x_lite import models
+from t5x_lite.nn import flops, network
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 GIN_ROOT = REPO / 'gin'

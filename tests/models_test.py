@@ -9,7 +9,10 @@ import pytest
 import seqio
 from flax.core import meta
 
-from t5x_lite import errors, models, network, partitioning
+from t5x_lite import models
+from t5x_lite.core import errors
+from t5x_lite.nn import network
+from t5x_lite.training import partitioning
 from tiny_models import tiny_config, train_losses
 
 VOCAB = 64

@@ -28,15 +28,11 @@ import pytest
 import tasks  # noqa: F401  (registers cpython_code_to_docstring for _restore's gin)
 from xla_flags import xla_flags
 
-from t5x_lite import (
-  checkpoints,
-  gin_config,
-  models,
-  partitioning,
-  train_checkpointer,
-  train_lib,
-  trainer,
-)
+from t5x_lite import models
+from t5x_lite.core import gin_config
+from t5x_lite.checkpoint import checkpoints, train_checkpointer
+from t5x_lite.training import partitioning, trainer
+from t5x_lite.run import train_lib
 
 pytestmark = pytest.mark.slow  # subprocess runs of the entry points
 

@@ -11,8 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from t5x_lite import network
-from t5x_lite.errors import ConfigError
+from t5x_lite.nn import network
+from t5x_lite.core.errors import ConfigError
 from tiny_models import tiny_config
 
 TINY = tiny_config()
@@ -407,7 +407,7 @@ def test_norms_and_activations_checkpoint_themselves_only_outside_layer_remat(
 ):
   """Norm and gated activation recompute their float32 intermediates where no layer remat
   does; inside a rematerialised layer a nested checkpoint would only cost memory."""
-  from t5x_lite import blocks  # pylint: disable=g-import-not-at-top
+  from t5x_lite.nn import blocks  # pylint: disable=g-import-not-at-top
 
   config = dataclasses.replace(TINY, remat_policy=remat_policy)
   assert blocks.norm(config, 'pre_mlp_layer_norm').recompute is layer_checkpoints

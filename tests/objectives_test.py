@@ -1,4 +1,7 @@
-"""Tests for t5x_lite.objectives and t5x_lite.noise: the T5 paper's unsupervised objectives."""
+"""Tests for t5x_lite.data.objectives and t5x_lite.data.noise.
+
+The T5 paper's unsupervised objectives.
+"""
 
 import gin
 import numpy as np
@@ -6,8 +9,8 @@ import pytest
 import seqio
 import tensorflow as tf
 
-from t5x_lite import noise, objectives
-from t5x_lite.errors import ConfigError
+from t5x_lite.data import noise, objectives
+from t5x_lite.core.errors import ConfigError
 
 pytestmark = pytest.mark.usefixtures("clean_gin")
 

@@ -1,4 +1,4 @@
-"""Tests for t5x_lite.optimizers."""
+"""Tests for t5x_lite.training.optimizers."""
 
 import gin
 import jax
@@ -9,8 +9,10 @@ import pytest
 
 import flax.linen as nn
 
-from t5x_lite import factored_moments, models, network, optimizers
-from t5x_lite.errors import ConfigError
+from t5x_lite import models
+from t5x_lite.nn import network
+from t5x_lite.training import factored_moments, optimizers
+from t5x_lite.core.errors import ConfigError
 
 
 def test_rsqrt_schedule_values():
@@ -213,7 +215,7 @@ def test_gin_configures_optimizer():
   with gin.unlock_config():
     gin.parse_config(
       """
-            from t5x_lite import optimizers
+            from t5x_lite.training import optimizers
             optimizers.adafactor.learning_rate = @optimizers.rsqrt_with_warmup()
             optimizers.rsqrt_with_warmup.warmup_steps = 100
             """

@@ -1,4 +1,7 @@
-"""Tests for t5x_lite.partial_restore and t5x_lite.scan_layout: T5X-style fine-tuning starts."""
+"""Tests for t5x_lite.checkpoint.partial_restore and t5x_lite.checkpoint.scan_layout.
+
+T5X-style fine-tuning starts.
+"""
 
 import functools
 import json
@@ -14,21 +17,15 @@ import tensorflow as tf
 from flax import traverse_util
 from jax.sharding import PartitionSpec as P
 
-from t5x_lite import (
-  checkpoints,
-  data,
-  models,
-  network,
-  optimizers,
-  partial_restore,
-  partitioning,
-  train_checkpointer,
-  train_lib,
-  trainer,
-)
-from t5x_lite import errors
-from t5x_lite.errors import CheckpointError, ConfigError
-from t5x_lite.partial_restore import RestoreConfig
+from t5x_lite import models
+from t5x_lite.nn import network
+from t5x_lite.data import pipeline
+from t5x_lite.checkpoint import checkpoints, partial_restore, train_checkpointer
+from t5x_lite.training import optimizers, partitioning, trainer
+from t5x_lite.run import train_lib
+from t5x_lite.core import errors
+from t5x_lite.core.errors import CheckpointError, ConfigError
+from t5x_lite.checkpoint.partial_restore import RestoreConfig
 from text_tasks import VOCAB, register_text_task
 from tiny_models import tiny_checkpoint_config, tiny_config
 
@@ -430,7 +427,7 @@ def test_train_continues_from_the_restored_step_with_gin_bindings(pretrained, tm
   state = train_lib.train(
     model_dir=str(tmp_path),
     total_steps=6,
-    train_dataset_cfg=data.DatasetConfig(
+    train_dataset_cfg=pipeline.DatasetConfig(
       TASK, {"inputs": 16, "targets": 16}, batch_size=8, pack=False
     ),
     optimizer=optimizers.adafactor(learning_rate=0.0),

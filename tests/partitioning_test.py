@@ -11,8 +11,9 @@ import optax
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from t5x_lite import network, partitioning
-from t5x_lite.errors import ConfigError
+from t5x_lite.nn import network
+from t5x_lite.training import partitioning
+from t5x_lite.core.errors import ConfigError
 from tiny_models import tiny_config
 
 TINY = tiny_config()

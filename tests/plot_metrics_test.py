@@ -1,4 +1,4 @@
-"""Tests for tools/plot_metrics.py and t5x_lite.metrics_logging."""
+"""Tests for tools/plot_metrics.py and t5x_lite.training.metrics_logging."""
 
 import json
 import os
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from matplotlib import image
 
-from t5x_lite import metrics_logging, throughput
+from t5x_lite.training import metrics_logging, throughput
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "tools"))

@@ -15,7 +15,7 @@ import sys
 import jax
 import pytest
 
-from t5x_lite import precompile
+from t5x_lite.run import precompile
 from t5x_peer import PEER_PYTHON, needs_t5x_peer
 
 pytestmark = pytest.mark.slow  # subprocess runs of the entry points

@@ -1,9 +1,9 @@
-"""Tests for t5x_lite.preprocessors: text-to-text formatting and its feature checks."""
+"""Tests for t5x_lite.data.preprocessors: text-to-text formatting and its feature checks."""
 
 import pytest
 import tensorflow as tf
 
-from t5x_lite import objectives, preprocessors
+from t5x_lite.data import objectives, preprocessors
 
 
 def _format(record, **kwargs):

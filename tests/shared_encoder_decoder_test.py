@@ -8,14 +8,11 @@ import seqio
 from flax import linen as nn
 from flax import traverse_util
 
-from t5x_lite import (
-  hf_interop,
-  models,
-  network,
-  partitioning,
-  shared_encoder_decoder,
-)
-from t5x_lite.errors import ConfigError
+from t5x_lite import models
+from t5x_lite.nn import network, shared_encoder_decoder
+from t5x_lite.training import partitioning
+from t5x_lite.interop import hf
+from t5x_lite.core.errors import ConfigError
 from tiny_models import tiny_config, train_losses
 
 VOCAB = 64
@@ -136,9 +133,9 @@ def test_sharded_training_equals_single_device_and_learns():
 def test_hf_export_writes_the_decoder_its_own_copy():
   config = tiny_config(share_encoder_decoder=True)
   params = params_of(shared_model())
-  tensors = hf_interop.params_to_hf_tensors(config, params)
+  tensors = hf.params_to_hf_tensors(config, params)
   plain = tiny_config()
-  restored = hf_interop.params_from_hf_tensors(tensors, plain)
+  restored = hf.params_from_hf_tensors(tensors, plain)
   flat_restored = traverse_util.flatten_dict(restored)
   flat_expected = traverse_util.flatten_dict(shared_encoder_decoder.expand(params))
   assert flat_restored.keys() == flat_expected.keys()
@@ -152,4 +149,4 @@ def test_configs_name_what_is_wrong():
   with pytest.raises(ConfigError, match="share_encoder_decoder.*'decoder_only'"):
     tiny_config(share_encoder_decoder=True, architecture="decoder_only", num_encoder_layers=0)
   with pytest.raises(ConfigError, match="architecture='prefix_lm' has no transformers"):
-    hf_interop.config_to_hf(tiny_config(architecture="prefix_lm", num_encoder_layers=0))
+    hf.config_to_hf(tiny_config(architecture="prefix_lm", num_encoder_layers=0))

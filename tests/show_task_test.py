@@ -12,7 +12,7 @@ os.environ.setdefault("T5X_LITE_CACHE", os.path.join(tempfile.gettempdir(), "t5x
 import pytest  # noqa: E402
 
 import tasks  # noqa: E402,F401
-from t5x_lite.errors import ConfigError  # noqa: E402
+from t5x_lite.core.errors import ConfigError  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -115,7 +115,7 @@ def test_missing_feature_is_one_error_line(tmp_path):
   (tmp_path / "train.tsv").write_text("sentence\tlbl\ngood\t1\n")
   (tmp_path / "show_task_test_tasks.py").write_text(
     "import functools, seqio\n"
-    "from t5x_lite import file_sources, preprocessors\n"
+    "from t5x_lite.data import file_sources, preprocessors\n"
     "seqio.TaskRegistry.add('show_task_test_sentiment',\n"
     "    source=file_sources.TsvSource({'train': 'train.tsv'}),\n"
     "    preprocessors=preprocessors.supervised_preprocessors(functools.partial(\n"

@@ -19,8 +19,12 @@ import tensorstore as ts
 from flax import linen as nn
 from flax import serialization, traverse_util
 
-from t5x_lite import checkpoints, models, network, optimizers, partial_restore, partitioning
-from t5x_lite import t5x_interop, trainer
+from t5x_lite import models
+from t5x_lite.nn import network
+from t5x_lite.checkpoint import checkpoints, partial_restore
+from t5x_lite.training import optimizers, partitioning
+from t5x_lite.training import trainer
+from t5x_lite.interop import t5x as t5x_interop
 from t5x_peer import PEER_PYTHON, needs_t5x_peer
 from tiny_models import tiny_config
 

@@ -1,4 +1,4 @@
-"""Tests of the SQuAD metric of t5x_lite.task_metrics against the official v1.1 definitions.
+"""Tests of the SQuAD metric of t5x_lite.data.task_metrics against the official v1.1 definitions.
 
 The expected numbers are worked out by hand from the official SQuAD v1.1
 evaluation script: normalise (lowercase, drop punctuation, drop the words a/an/the,
@@ -9,7 +9,7 @@ answers, averaged over examples and scaled to 0-100.
 
 import pytest
 
-from t5x_lite import task_metrics
+from t5x_lite.data import task_metrics
 
 # (answers, prediction, exact match, token F1), one per example.
 SAMPLE = [

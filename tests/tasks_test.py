@@ -15,7 +15,7 @@ import seqio  # noqa: E402
 import tensorflow_datasets as tfds  # noqa: E402
 
 import tasks  # noqa: E402,F401
-from t5x_lite import cpython_corpus, file_sources, objectives, task_metrics  # noqa: E402
+from t5x_lite.data import cpython_corpus, file_sources, objectives, task_metrics  # noqa: E402
 
 LENGTHS = {"inputs": 64, "targets": 16}
 TFDS_TASKS = sorted(n for n in seqio.TaskRegistry.names() if n.startswith(("c4_", "glue_", "wmt")))

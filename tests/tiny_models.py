@@ -4,7 +4,8 @@ import dataclasses
 
 import jax
 
-from t5x_lite import network, optimizers, partitioning, trainer
+from t5x_lite.nn import network
+from t5x_lite.training import optimizers, partitioning, trainer
 
 # vocab 64, d_model 32, 4 heads of 8, MLP 64, 2 + 2 layers, gated GELU, untied
 # logits, no dropout. Tests override what they need (vocabulary size, depth, ...).

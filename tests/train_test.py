@@ -27,20 +27,14 @@ import seqio
 import tensorflow as tf
 from flax import traverse_util
 
-from t5x_lite import (
-  checkpoints,
-  console,
-  data,
-  gin_config,
-  models,
-  network,
-  optimizers,
-  partitioning,
-  train_checkpointer,
-  train_lib,
-  vocab,
-)
-from t5x_lite.errors import ConfigError
+from t5x_lite import models
+from t5x_lite.core import console, gin_config
+from t5x_lite.nn import network
+from t5x_lite.data import pipeline, vocab
+from t5x_lite.checkpoint import checkpoints, train_checkpointer
+from t5x_lite.training import optimizers, partitioning
+from t5x_lite.run import train_lib
+from t5x_lite.core.errors import ConfigError
 from text_tasks import VOCAB, register_text_task
 from tiny_models import tiny_checkpoint_config
 
@@ -74,7 +68,7 @@ def _model(**overrides) -> models.EncoderDecoderModel:
   )
 
 
-def _dataset(task: str = TEXT_TASK, **overrides) -> data.DatasetConfig:
+def _dataset(task: str = TEXT_TASK, **overrides) -> pipeline.DatasetConfig:
   fields = dict(
     mixture_or_task_name=task,
     task_feature_lengths={"inputs": 48, "targets": 48},
@@ -82,7 +76,7 @@ def _dataset(task: str = TEXT_TASK, **overrides) -> data.DatasetConfig:
     pack=False,
   )
   fields.update(overrides)
-  return data.DatasetConfig(**fields)
+  return pipeline.DatasetConfig(**fields)
 
 
 def _train(model_dir, steps: int, **kwargs):
@@ -151,12 +145,12 @@ def test_train_returns_without_waiting_for_the_iterator_teardown(tmp_path, monke
   # this one blocks for 10 s and records the thread that deletes it.
   deleted_on = []
 
-  def slow_del(iterator: data.TrainIterator) -> None:
+  def slow_del(iterator: pipeline.TrainIterator) -> None:
     del iterator
     deleted_on.append(threading.current_thread())
     time.sleep(10)
 
-  monkeypatch.setattr(data.TrainIterator, "__del__", slow_del, raising=False)
+  monkeypatch.setattr(pipeline.TrainIterator, "__del__", slow_del, raising=False)
   _train(tmp_path, 1)
   deadline = time.monotonic() + 10
   while not deleted_on and time.monotonic() < deadline:
@@ -321,7 +315,7 @@ def _command(model_dir, steps: int, *extra: str) -> list[str]:
 
 # Two devices: sharded saves and restores, at a quarter of the 8-device compile cost.
 # The test session's log level is left out, and where the entry point itself would
-# choose the CPU (`t5x_lite.console`) its JAX_PLATFORMS too: runs show what users see.
+# choose the CPU (`t5x_lite.core.console`) its JAX_PLATFORMS too: runs show what users see.
 _ENV = {
   k: v
   for k, v in os.environ.items()

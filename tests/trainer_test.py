@@ -1,4 +1,4 @@
-"""Tests for t5x_lite.trainer: learning, sharding parity, accumulation, donation."""
+"""Tests for t5x_lite.training.trainer: learning, sharding parity, accumulation, donation."""
 
 import functools
 
@@ -10,8 +10,10 @@ import pytest
 import seqio
 from jax.sharding import PartitionSpec
 
-from t5x_lite import models, network, factored_moments, optimizers, partitioning, trainer
-from t5x_lite.errors import ConfigError
+from t5x_lite import models
+from t5x_lite.nn import network
+from t5x_lite.training import factored_moments, optimizers, partitioning, trainer
+from t5x_lite.core.errors import ConfigError
 from tiny_models import tiny_config
 
 VOCAB = 64

@@ -23,7 +23,11 @@ import numpy as np
 import pytest
 from xla_flags import xla_flags
 
-from t5x_lite import checkpoints, file_sources, models, network, partitioning, unlabeled_text
+from t5x_lite import models
+from t5x_lite.nn import network
+from t5x_lite.data import file_sources, unlabeled_text
+from t5x_lite.checkpoint import checkpoints
+from t5x_lite.training import partitioning
 
 REPO = Path(__file__).resolve().parents[1]
 

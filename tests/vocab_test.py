@@ -1,4 +1,4 @@
-"""Tests for t5x_lite.vocab, t5x_lite.cache and tools/train_vocab.py."""
+"""Tests for t5x_lite.data.vocab, t5x_lite.core.cache and tools/train_vocab.py."""
 
 import os
 import subprocess
@@ -15,7 +15,8 @@ import pytest  # noqa: E402
 import seqio  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-from t5x_lite import cache, cpython_corpus, vocab  # noqa: E402
+from t5x_lite.core import cache
+from t5x_lite.data import cpython_corpus, vocab  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -11,7 +11,7 @@ Measures, after warm-up, the median over --reps repetitions of:
     each timed step follows --settle untimed steps of its own side, because in one
     process the first step after the other side's runs slow (ours by 0.7-1.4 s
     after torch's work, on a Zen 4 in bfloat16);
-  * MFU = model FLOP/s (`t5x_lite.flops`) / peak matmul FLOP/s, the peak measured here
+  * MFU = model FLOP/s (`t5x_lite.nn.flops`) / peak matmul FLOP/s, the peak measured here
     with a large matmul in the same dtype in jax (`throughput.measure_matmul_flops`, as
     training does on CPU; used for our MFU) and torch (HF's);
   * greedy and beam decode tokens/s: exactly --decode_length new tokens per example
@@ -24,7 +24,7 @@ Measures, after warm-up, the median over --reps repetitions of:
     resident memory (`ru_maxrss`, process-wide: jax, torch and tf.data together).
 
 HF runs in this process, on the same random weights (ours, written with
-`hf_interop.save_hf`); torch uses as many threads as XLA's CPU backend (the cores this
+`hf.save_hf`); torch uses as many threads as XLA's CPU backend (the cores this
 process may run on).
 
 `--compare_t5x=PYTHON` also measures Google's T5X (google-research/t5x with flaxformer):
@@ -48,7 +48,7 @@ Its MFU is over a matmul peak measured in its process the same way.
       --json=/tmp/bench_t5x.json
 """
 
-from t5x_lite import console  # noqa: F401  (first: quiets TensorFlow and JAX start-up)
+from t5x_lite.core import console  # noqa: F401  (first: quiets TensorFlow and JAX start-up)
 
 import dataclasses
 import json
@@ -67,8 +67,12 @@ import jax
 import numpy as np
 from absl import app, flags
 
-from t5x_lite import cli, errors, flops, gin_config, hf_interop, models, network, optimizers
-from t5x_lite import partitioning, throughput, trainer
+from t5x_lite import cli, models
+from t5x_lite.core import errors, gin_config
+from t5x_lite.nn import flops, network
+from t5x_lite.training import optimizers
+from t5x_lite.interop import hf
+from t5x_lite.training import partitioning, throughput, trainer
 
 _COMPARE_HF = flags.DEFINE_bool("compare_hf", False, "Also measure HF transformers T5.")
 _COMPARE_T5X = flags.DEFINE_string(
@@ -315,12 +319,12 @@ def _hf_device() -> str:
 
 
 def load_hf_model(s: Settings, params: Any) -> Any:
-  """Our params written with `hf_interop.save_hf` and loaded into transformers."""
+  """Our params written with `hf.save_hf` and loaded into transformers."""
   import torch
   import transformers
 
   with tempfile.TemporaryDirectory() as tmp:
-    hf_interop.save_hf(dataclasses.replace(s.config, param_dtype="float32"), params, tmp)
+    hf.save_hf(dataclasses.replace(s.config, param_dtype="float32"), params, tmp)
     hf_model = transformers.T5ForConditionalGeneration.from_pretrained(tmp, dtype=torch.float32)
   return hf_model.to(_hf_device())
 

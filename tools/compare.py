@@ -26,7 +26,7 @@ Sizes: --model (a model size file of each architecture's family, default `tiny`)
 runs some rows only (their directory names under --output_dir/<table>).
 """
 
-from t5x_lite import console  # first: quiets TensorFlow and JAX start-up
+from t5x_lite.core import console  # first: quiets TensorFlow and JAX start-up
 
 import dataclasses
 import json
@@ -39,8 +39,8 @@ from collections.abc import Sequence
 
 from absl import app, flags
 
-from t5x_lite import gin_config
-from t5x_lite.errors import ConfigError
+from t5x_lite.core import gin_config
+from t5x_lite.core.errors import ConfigError
 
 TABLES = ("architectures", "objectives", "mixing")
 _TABLE = flags.DEFINE_enum("table", None, TABLES, "Which comparison to run.", required=True)
@@ -119,7 +119,7 @@ def variants(table: str) -> list[Variant]:
       Variant("prefix LM, LM", "prefix_lm", "cpython_prefix_lm", SHORT_TARGETS),
     ]
   if table == "objectives":
-    from t5x_lite import objectives  # TensorFlow only when needed
+    from t5x_lite.data import objectives  # TensorFlow only when needed
 
     return [
       Variant(name, "t5_1_1", f"cpython_{name}", _objective_lengths(name))
@@ -203,7 +203,9 @@ def _model_info(variant: Variant, pretrain_dir: str) -> dict:
   """Parameters and training FLOPs per token of the model the pre-training run saved."""
   import jax  # the data-free part of the tool stays light to import
 
-  from t5x_lite import checkpoints, flops, models
+  from t5x_lite import models
+  from t5x_lite.nn import flops
+  from t5x_lite.checkpoint import checkpoints
 
   _, step_dir = checkpoints.find_steps(pretrain_dir, verify_checksums=False)[-1]
   config = checkpoints.model_config(step_dir)

@@ -7,7 +7,7 @@ restore; step 0 holds the item `params` and the item `config`):
       --output_dir=/tmp/t5_1_1_small_ckpt
 
 t5x_lite -> HF (reads the newest intact step's `params`; the model config is the
-one the checkpoint stores (`t5x_lite.checkpoints.model_config`), and `T5Config.*`
+one the checkpoint stores (`t5x_lite.checkpoint.checkpoints.model_config`), and `T5Config.*`
 bindings of --gin_file / --gin_bindings override it field by field, so a
 checkpoint without a stored config converts with its model's gin file):
 
@@ -18,7 +18,7 @@ Relative paths are relative to the working directory. A bad input (a missing or
 unreadable file, an unsupported config, a corrupt checkpoint) is reported as one
 `ERROR: <message>` line on stderr with exit status 1.
 
-Checkpoint layout (see t5x_lite/checkpoints.py, which reads and restores it):
+Checkpoint layout (see t5x_lite/checkpoint/checkpoints.py, which reads and restores it):
 `<root>/<step>/params` is a StandardSave of the plain parameter tree (no 'params'
 wrapper), `<root>/<step>/config` a JsonSave of the `T5Config` fields, and
 `<root>/<step>/files.json` the integrity manifest.
@@ -26,7 +26,7 @@ wrapper), `<root>/<step>/config` a JsonSave of the `T5Config` fields, and
 
 from __future__ import annotations
 
-from t5x_lite import console  # first: quiets TensorFlow and JAX start-up
+from t5x_lite.core import console  # first: quiets TensorFlow and JAX start-up
 
 import dataclasses
 import functools
@@ -35,9 +35,13 @@ from collections.abc import Sequence
 
 from absl import app, flags
 
-from t5x_lite import checkpoints, gin_config, hf_interop, models, partitioning
-from t5x_lite.errors import ConfigError
-from t5x_lite.paths import absolute_path, not_a_directory
+from t5x_lite import models
+from t5x_lite.core import gin_config
+from t5x_lite.checkpoint import checkpoints
+from t5x_lite.training import partitioning
+from t5x_lite.interop import hf
+from t5x_lite.core.errors import ConfigError
+from t5x_lite.core.paths import absolute_path, not_a_directory
 
 _DIRECTION = flags.DEFINE_enum(
   "direction", "from_hf", ["from_hf", "to_hf"], "Convert HF -> orbax or orbax -> HF."
@@ -60,7 +64,7 @@ def hf_to_orbax(hf_dir: str, output_dir: str, scan_layers: bool, param_dtype: st
   """Converts an HF T5 directory into a step-0 t5x_lite checkpoint root."""
   if problem := not_a_directory("--output_dir", output_dir):
     raise ConfigError(problem)
-  config, params = hf_interop.load_hf(
+  config, params = hf.load_hf(
     os.fspath(absolute_path(hf_dir)), scan_layers=scan_layers, param_dtype=param_dtype
   )
   step_dir = checkpoints.write_params_checkpoint(
@@ -84,14 +88,14 @@ def orbax_to_hf(checkpoint_dir: str, output_dir: str, step: int | None) -> None:
     raise ConfigError(problem)
   [(_, step_dir)] = checkpoints.find_steps(checkpoint_dir, step="newest" if step is None else step)
   config = checkpoints.model_config(step_dir)
-  hf_interop.config_to_hf(config)  # raises for a network HF has no equivalent of
+  hf.config_to_hf(config)  # raises for a network HF has no equivalent of
   abstract, _ = partitioning.Partitioner().abstract_params(
     functools.partial(models.init_params, config)
   )
   # find_steps verified the files already.
   params = checkpoints.restore_params(step_dir, abstract, verify_checksums=False)
   output_dir = os.fspath(absolute_path(output_dir))
-  hf_interop.save_hf(config, params, output_dir)
+  hf.save_hf(config, params, output_dir)
   print(f"Wrote {output_dir} from {step_dir}")
 
 

@@ -33,7 +33,7 @@ stderr with exit status 1.
 
 from __future__ import annotations
 
-from t5x_lite import console  # first: quiets TensorFlow and JAX start-up
+from t5x_lite.core import console  # first: quiets TensorFlow and JAX start-up
 
 import dataclasses
 import functools
@@ -46,9 +46,13 @@ import numpy as np
 from absl import app, flags
 from flax import linen as nn
 
-from t5x_lite import checkpoints, gin_config, network, optimizers, partitioning, t5x_interop
-from t5x_lite.errors import ConfigError
-from t5x_lite.paths import not_a_directory
+from t5x_lite.core import gin_config
+from t5x_lite.nn import network
+from t5x_lite.checkpoint import checkpoints
+from t5x_lite.training import optimizers, partitioning
+from t5x_lite.interop import t5x
+from t5x_lite.core.errors import ConfigError
+from t5x_lite.core.paths import not_a_directory
 
 _DIRECTION = flags.DEFINE_enum(
   "direction", "from_t5x", ["from_t5x", "to_t5x"], "Convert T5X -> t5x_lite or back."
@@ -74,7 +78,7 @@ _T5X_LAYOUT = flags.DEFINE_enum(
 )
 _MIN_DIM = flags.DEFINE_integer(
   "min_dim_size_to_factor",
-  t5x_interop.T5X_MIN_DIM_SIZE_TO_FACTOR,
+  t5x.T5X_MIN_DIM_SIZE_TO_FACTOR,
   "to_t5x: T5X Adafactor's min_dim_size_to_factor (which parameters it factors).",
 )
 
@@ -100,14 +104,14 @@ def from_t5x(path: str, output_dir: str, step: int | None, optimizer_state: bool
   """Converts one T5X step into a t5x_lite checkpoint root."""
   if problem := not_a_directory("--output_dir", output_dir):
     raise ConfigError(problem)
-  step_dir = t5x_interop.find_step_dir(path, step)
-  params, param_states, number = t5x_interop.read_state(step_dir)
-  config = _config(t5x_interop.config_fields(params))
-  ours = t5x_interop.params_from_t5x(params, config)
+  step_dir = t5x.find_step_dir(path, step)
+  params, param_states, number = t5x.read_state(step_dir)
+  config = _config(t5x.config_fields(params))
+  ours = t5x.params_from_t5x(params, config)
   opt_state = None
   if optimizer_state and param_states:
     init = _adafactor(config).init(ours)
-    opt_state = t5x_interop.opt_state_from_t5x(param_states, number, config, init)
+    opt_state = t5x.opt_state_from_t5x(param_states, number, config, init)
   written = checkpoints.write_params_checkpoint(
     output_dir, ours, step=number, config=dataclasses.asdict(config), opt_state=opt_state
   )
@@ -146,17 +150,17 @@ def to_t5x(checkpoint_dir: str, output_dir: str, step: int | None, optimizer_sta
       "--t5x_layout=scanned needs a relative position bias per layer (flaxformer's scanned T5 "
       f"has one); {step_dir} has one per stack (T5Config.relpos_bias_per_layer=False)"
     )
-  t5x_params = t5x_interop.params_to_t5x(params, config, scanned)
+  t5x_params = t5x.params_to_t5x(params, config, scanned)
   has_state = (step_dir / checkpoints.OPT_STATE).is_dir()
   if optimizer_state and has_state:
     target = jax.eval_shape(_adafactor(config).init, abstract)
     opt_state = checkpoints.restore_item(
       step_dir / checkpoints.OPT_STATE, target, checkpoints.OPT_STATE
     )
-    states = t5x_interop.opt_state_to_t5x(opt_state, config, _MIN_DIM.value, scanned)
+    states = t5x.opt_state_to_t5x(opt_state, config, _MIN_DIM.value, scanned)
   else:
-    states = t5x_interop.fresh_t5x_param_states(config, _MIN_DIM.value, scanned)
-  written = t5x_interop.write_checkpoint(
+    states = t5x.fresh_t5x_param_states(config, _MIN_DIM.value, scanned)
+  written = t5x.write_checkpoint(
     output_dir, t5x_params, states, number, legacy=_T5X_FORMAT.value == "legacy"
   )
   carried = "Adafactor state carried" if optimizer_state and has_state else "fresh Adafactor state"

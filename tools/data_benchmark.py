@@ -8,7 +8,7 @@ Prints one JSON line (see `measure_pipeline`). Gin flags (--gin_bindings,
 data directory. tools/benchmark.py reports `measure_pipeline` too.
 """
 
-from t5x_lite import console  # noqa: F401  (first: quiets TensorFlow and JAX start-up)
+from t5x_lite.core import console  # noqa: F401  (first: quiets TensorFlow and JAX start-up)
 
 import json
 import time
@@ -18,7 +18,8 @@ import numpy as np
 import tensorflow as tf
 from absl import flags
 
-from t5x_lite import data, gin_config
+from t5x_lite.core import gin_config
+from t5x_lite.data import pipeline
 
 FLAGS = flags.FLAGS
 
@@ -34,7 +35,7 @@ def measure_pipeline(
 ) -> dict[str, float]:
   """Times `num_batches` packed batches of the pipeline training reads.
 
-  That is `data.host_dataset` (seqio.get_dataset with EncDecFeatureConverter(pack=True),
+  That is `pipeline.host_dataset` (seqio.get_dataset with EncDecFeatureConverter(pack=True),
   shuffled, repeated, batched, prefetched), read on this host after a warm-up.
 
   Args:
@@ -55,10 +56,10 @@ def measure_pipeline(
     ConfigError: an unknown task or mixture, or a preprocessor asking for a
       feature its input lacks.
   """
-  config = data.DatasetConfig(
+  config = pipeline.DatasetConfig(
     name, task_feature_lengths, batch_size, split=split, shuffle=True, seed=seed, pack=True
   )
-  batches = data.host_dataset(config, num_epochs=None).as_numpy_iterator()
+  batches = pipeline.host_dataset(config, num_epochs=None).as_numpy_iterator()
   for _ in range(warmup_batches):
     next(batches)
   examples = input_tokens = target_tokens = 0

@@ -3,7 +3,7 @@ r"""Prints parameter counts and FLOPs per token of a gin-configured T5 network.
 Shapes come from `jax.eval_shape`, so nothing is allocated and XXL works on a laptop.
 
 Usage (gin paths are relative to the search paths, by default the repo's gin/ and
-gin/models/ dirs; the gin flags are those of the entry points, `t5x_lite.gin_config`):
+gin/models/ dirs; the gin flags are those of the entry points, `t5x_lite.core.gin_config`):
 
   python tools/model_info.py --gin_file=models/t5_1_1/small.gin --json
   python tools/model_info.py --gin_file=models/t5_1_1/base.gin \
@@ -15,7 +15,7 @@ adapter layers' share of the encoder and decoder counts). A bad gin file or
 binding is reported as one `ERROR: <message>` line on stderr with exit status 1.
 """
 
-from t5x_lite import console  # first: quiets TensorFlow and JAX start-up
+from t5x_lite.core import console  # first: quiets TensorFlow and JAX start-up
 
 import dataclasses
 import functools
@@ -28,8 +28,10 @@ import jax.numpy as jnp
 from absl import app, flags
 from flax.core import meta
 
-from t5x_lite import flops, gin_config, models, network
-from t5x_lite.errors import ConfigError
+from t5x_lite import models
+from t5x_lite.core import gin_config
+from t5x_lite.nn import flops, network
+from t5x_lite.core.errors import ConfigError
 
 _INPUT_LENGTH = flags.DEFINE_integer('input_length', 512, 'Encoder sequence length.')
 _TARGET_LENGTH = flags.DEFINE_integer('target_length', 114, 'Decoder sequence length.')

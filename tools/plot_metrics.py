@@ -21,9 +21,9 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (backend must be chosen first)
 
-from t5x_lite import errors  # noqa: E402
+from t5x_lite.core import errors  # noqa: E402
 
-METRICS_FILE = "metrics.jsonl"  # t5x_lite.metrics_logging.METRICS_FILE
+METRICS_FILE = "metrics.jsonl"  # t5x_lite.training.metrics_logging.METRICS_FILE
 DEFAULT_METRICS = (
   "loss",
   "accuracy",

@@ -16,7 +16,7 @@ loaded with --module_import=my_tasks or a gin file that does `import my_tasks`;
 --gin_bindings set e.g. the data directory: "local_data_dir.path = '/data'".
 """
 
-from t5x_lite import console  # noqa: F401  (first: quiets TensorFlow and JAX start-up)
+from t5x_lite.core import console  # noqa: F401  (first: quiets TensorFlow and JAX start-up)
 
 from collections.abc import Mapping, Sequence
 
@@ -25,8 +25,9 @@ import seqio
 import tensorflow as tf
 from absl import app, flags, logging
 
-from t5x_lite import cli, data, mixing
-from t5x_lite.errors import ConfigError
+from t5x_lite import cli
+from t5x_lite.data import mixing, pipeline
+from t5x_lite.core.errors import ConfigError
 
 _LIST = flags.DEFINE_bool("list", False, "Print every registered task and mixture, one a line.")
 _NUM_EXAMPLES = flags.DEFINE_integer("num_examples", 2, "Examples to show per stage.")
@@ -37,7 +38,7 @@ _SEQUENCE_LENGTH = flags.DEFINE_string(
 _SEED = flags.DEFINE_integer("seed", 0, "Seed for preprocessing randomness.")
 _TRUNCATION_EXAMPLES = flags.DEFINE_integer(
   "truncation_examples",
-  data.TRUNCATION_SAMPLE,
+  pipeline.TRUNCATION_SAMPLE,
   "Examples per task (the first ones of --split) checked for truncation; 0 skips the check.",
 )
 
@@ -99,13 +100,13 @@ def _print_examples(title: str, ds: tf.data.Dataset, n: int, features: Mapping) 
 
 
 def _print_truncation(name: str, split: str, lengths: Mapping[str, int], seed: int, n: int) -> None:
-  """Prints `data.truncation_report` of the first `n` examples per task."""
-  config = data.DatasetConfig(name, dict(lengths), batch_size=1, split=split, seed=seed)
+  """Prints `pipeline.truncation_report` of the first `n` examples per task."""
+  config = pipeline.DatasetConfig(name, dict(lengths), batch_size=1, split=split, seed=seed)
   print(
     f"== truncation at --sequence_length (the first {n} examples of each task's "
     f"{split!r} split, or all if fewer)"
   )
-  for per_feature in data.truncation_report(config, n).values():
+  for per_feature in pipeline.truncation_report(config, n).values():
     for truncation in per_feature.values():
       print(f"  {truncation}")
 
@@ -116,7 +117,7 @@ def show(
   split: str,
   lengths: Mapping[str, int],
   seed: int,
-  truncation_examples: int = data.TRUNCATION_SAMPLE,
+  truncation_examples: int = pipeline.TRUNCATION_SAMPLE,
 ) -> None:
   """Prints the stages of `name` (task or mixture) for `num_examples` examples.
 
@@ -127,10 +128,10 @@ def show(
     ConfigError: for an unknown name, or a preprocessor that asks for a
       feature its input lacks.
   """
-  provider = data.get_mixture_or_task(name)
+  provider = pipeline.get_mixture_or_task(name)
   if split not in provider.splits:
     raise ConfigError(f"{name} has no split {split!r}; it has {sorted(provider.splits)}.")
-  with data.naming_failing_task(name, split, lengths, seed):
+  with pipeline.naming_failing_task(name, split, lengths, seed):
     _show_stages(provider, num_examples, split, lengths, seed)
   if truncation_examples:
     _print_truncation(name, split, lengths, seed, truncation_examples)
@@ -179,7 +180,7 @@ def main(argv: Sequence[str]) -> None:
   # The entry points' --module_import/--gin_file/--gin_bindings/--tfds_data_dir/--data_dir.
   cli.setup()
   if _LIST.value:
-    print("\n".join(data.registered_names()))
+    print("\n".join(pipeline.registered_names()))
     return
   if len(argv) != 2:
     raise app.UsageError("Give one task or mixture name (or --list).")

@@ -19,7 +19,7 @@ an unknown task or field, a vocabulary too large for the text) is reported as on
 `ERROR: <message>` line on stderr with exit status 1.
 """
 
-from t5x_lite import console  # first: quiets TensorFlow and JAX start-up
+from t5x_lite.core import console  # first: quiets TensorFlow and JAX start-up
 
 import itertools
 import os
@@ -30,9 +30,10 @@ import seqio
 import tensorflow as tf
 from absl import app, flags
 
-from t5x_lite import cache, data, errors, file_sources, vocab
-from t5x_lite.paths import absolute_path, not_a_directory, shown
-from t5x_lite.errors import ConfigError
+from t5x_lite.core import cache, errors
+from t5x_lite.data import file_sources, pipeline, vocab
+from t5x_lite.core.paths import absolute_path, not_a_directory, shown
+from t5x_lite.core.errors import ConfigError
 
 _INPUT_FILES = flags.DEFINE_list("input_files", [], "Text files, one example per line.")
 _TASK = flags.DEFINE_string("task", None, "A registered seqio task to read text from.")
@@ -100,7 +101,7 @@ def _task_setup() -> None:
   """Registers the built-in tasks and --module_import's, then parses --gin_bindings."""
   import tasks  # noqa: F401  (registers the built-in tasks)
 
-  data.import_task_modules(_MODULE_IMPORT.value)
+  pipeline.import_task_modules(_MODULE_IMPORT.value)
   try:
     gin.parse_config(_GIN_BINDINGS.value)
   except (SyntaxError, ValueError) as e:

@@ -1,0 +1,327 @@
+"""Training checkpoints under MODEL_DIR: periodic async saves, resume, corrupt steps.
+
+`TrainCheckpointer` saves and restores the items of a training step (layout in
+`t5x_lite.checkpoint.checkpoints`): `params`, `opt_state`, `train_meta` (step, RNG, data
+position, model config) and `data_iterator` (one file set per host, written by
+`_IteratorHandler`). Restores go straight into the target shardings and are
+checked against them first (`checkpoints.restore_item`). Gin:
+`TrainCheckpointer.save_period`, `.keep`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+from typing import Any, Protocol
+
+import gin
+import jax
+import orbax.checkpoint as ocp
+from absl import logging
+from etils import epath
+
+from t5x_lite.checkpoint.manifest import newest_intact, verify_files, write_file_manifest
+from t5x_lite.checkpoint.checkpoints import (
+  DATA_ITERATOR,
+  OPT_STATE,
+  PARAMS,
+  TRAIN_META,
+  restore_item,
+)
+from t5x_lite.core.errors import CheckpointError, ConfigError
+from t5x_lite.core.paths import absolute_path, not_a_directory
+
+
+class CheckpointableIterator(Protocol):
+  """An input iterator whose position can be saved and restored per host."""
+
+  def save_state(self, path: str) -> None:
+    """Writes the iterator position to files starting with `path`."""
+
+  def restore_state(self, path: str) -> None:
+    """Moves the iterator to the position saved under `path`."""
+
+
+# ----------------------------------------------------------------------------
+# The data-iterator item.
+
+
+class _IteratorHandler(ocp.CheckpointHandler):
+  """Saves/restores a `CheckpointableIterator`, one file set per host."""
+
+  def _path(self, directory: epath.Path) -> str:
+    name = f"process_{jax.process_index()}-of-{jax.process_count()}"
+    return os.fspath(directory / name)
+
+  def save(self, directory: epath.Path, args: IteratorSave) -> None:
+    """Writes this host's iterator state under `directory`."""
+    args.iterator.save_state(self._path(directory))
+
+  def restore(self, directory: epath.Path, args: IteratorRestore) -> Any:
+    """Moves `args.iterator` to this host's saved position; returns it."""
+    path = self._path(directory)
+    if not any(directory.glob(os.path.basename(path) + "*")):
+      raise CheckpointError(
+        f"No data-iterator state for this host at {path}; was the checkpoint "
+        "written with a different number of processes?"
+      )
+    args.iterator.restore_state(path)
+    return args.iterator
+
+  def metadata(self, directory: epath.Path) -> None:
+    """No metadata: the state files are opaque."""
+    return None
+
+  def finalize(self, directory: epath.Path) -> None:
+    """Nothing to finalize: every host wrote complete files in `save`."""
+    return None
+
+  def close(self) -> None:
+    """No resources held."""
+    return None
+
+
+@ocp.args.register_with_handler(_IteratorHandler, for_save=True)
+@dataclasses.dataclass
+class IteratorSave(ocp.args.CheckpointArgs):
+  """Save args for the data-iterator item."""
+
+  iterator: CheckpointableIterator
+
+
+@ocp.args.register_with_handler(_IteratorHandler, for_restore=True)
+@dataclasses.dataclass
+class IteratorRestore(ocp.args.CheckpointArgs):
+  """Restore args for the data-iterator item."""
+
+  iterator: CheckpointableIterator
+
+
+# ----------------------------------------------------------------------------
+# Training checkpoints.
+
+
+@dataclasses.dataclass(frozen=True)
+class Restored:
+  """What a training restore returns."""
+
+  step: int
+  params: Any
+  opt_state: Any
+  meta: dict[str, Any]
+
+
+@gin.configurable
+class TrainCheckpointer:
+  """Periodic, asynchronous training checkpoints under MODEL_DIR.
+
+  Orbax writes steps asynchronously (the device->host copy blocks, the file
+  writes do not), keeps the latest `keep`, and commits each step atomically,
+  so a `kill -9` loses at most the steps since the last committed save.
+
+  Corrupt steps: `restore_latest` falls back past corrupt newer steps to the
+  newest intact one, leaving them as they are. Training then redoes their
+  steps, so before its first save the corrupt steps are moved aside to
+  `<step>.corrupt` (files unchanged, with a warning naming both paths): the
+  redone steps are saved under their own numbers, orbax sees a consistent
+  history and never rotates out an intact step in favour of a corrupt one.
+  """
+
+  def __init__(
+    self,
+    directory: epath.PathLike,
+    *,
+    save_period: int = 1000,
+    keep: int | None = 3,
+    async_save: bool = True,
+    verify_checksums: bool = True,
+  ):
+    """Opens (and creates) the checkpoint root.
+
+    Args:
+      directory: checkpoint root, usually MODEL_DIR; relative paths are
+        relative to the working directory.
+      save_period: save every this many steps (plus a final save).
+      keep: number of most recent steps to keep; None keeps all.
+      async_save: write files in a background thread.
+      verify_checksums: compare CRC32s of every file before restoring
+        (sizes are always compared).
+
+    Raises:
+      CheckpointError: if MODEL_DIR or a parent of it is a file.
+    """
+    if save_period <= 0:
+      raise ConfigError(f"TrainCheckpointer.save_period must be positive, got {save_period}")
+    if problem := not_a_directory("MODEL_DIR", directory):
+      raise CheckpointError(problem)
+    self.directory = absolute_path(directory)
+    self.save_period = save_period
+    self._verify_checksums = verify_checksums
+    options = ocp.CheckpointManagerOptions(
+      preservation_policy=ocp.checkpoint_managers.LatestN(keep),
+      enable_async_checkpointing=async_save,
+      cleanup_tmp_directories=True,
+    )
+    registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
+    for item in (PARAMS, OPT_STATE):
+      registry.add(item, ocp.args.StandardSave, ocp.StandardCheckpointHandler)
+      registry.add(item, ocp.args.StandardRestore, ocp.StandardCheckpointHandler)
+    registry.add(TRAIN_META, ocp.args.JsonSave, ocp.JsonCheckpointHandler)
+    registry.add(TRAIN_META, ocp.args.JsonRestore, ocp.JsonCheckpointHandler)
+    registry.add(DATA_ITERATOR, IteratorSave, _IteratorHandler)
+    registry.add(DATA_ITERATOR, IteratorRestore, _IteratorHandler)
+    self._manager = ocp.CheckpointManager(
+      self.directory, options=options, handler_registry=registry
+    )
+    self._unmanifested: int | None = None
+    self._corrupt: list[int] = []  # found by `restore_latest`, not yet moved aside
+
+  def latest_step(self) -> int | None:
+    """The newest committed step not found corrupt by `restore_latest`, or None."""
+    steps = [s for s in self._manager.all_steps() if s not in self._corrupt]
+    return max(steps, default=None)
+
+  def all_steps(self) -> list[int]:
+    """All committed steps, ascending."""
+    return sorted(self._manager.all_steps())
+
+  def should_save(self, step: int) -> bool:
+    """Whether `step` is a periodic save step."""
+    return step % self.save_period == 0
+
+  def save(
+    self,
+    step: int,
+    params: Any,
+    opt_state: Any,
+    meta: Mapping[str, Any],
+    iterator: CheckpointableIterator | None = None,
+  ) -> bool:
+    """Starts saving one step; returns False if the step already exists.
+
+    Args:
+      step: the number of completed training steps.
+      params: plain params tree.
+      opt_state: optax state.
+      meta: JSON-serialisable dict (rng, data position, config, ...);
+        `step` is added.
+      iterator: the training input iterator, saved per host.
+    """
+    if self._corrupt:
+      self._set_aside_corrupt()
+    if step in self._manager.all_steps():
+      return False
+    self._finish_pending()
+    items = {
+      PARAMS: ocp.args.StandardSave(params),
+      OPT_STATE: ocp.args.StandardSave(opt_state),
+      TRAIN_META: ocp.args.JsonSave({**meta, "step": step}),
+    }
+    if iterator is not None:
+      items[DATA_ITERATOR] = IteratorSave(iterator)
+    self._manager.save(step, args=ocp.args.Composite(**items), force=True)
+    self._unmanifested = step
+    return True
+
+  def restore(
+    self,
+    step: int,
+    abstract_params: Any,
+    abstract_opt_state: Any,
+    iterator: CheckpointableIterator | None = None,
+  ) -> Restored:
+    """Restores a training step into the shardings of the abstract trees.
+
+    Args:
+      step: committed step to restore.
+      abstract_params: params tree of `jax.ShapeDtypeStruct` with shardings.
+      abstract_opt_state: optax state tree of the same kind.
+      iterator: the input iterator to move to the saved position.
+
+    Raises:
+      CheckpointMismatchError: the step holds a different model/optimizer.
+      CorruptCheckpointError: naming a damaged file.
+    """
+    step_dir = self.directory / str(step)
+    verify_files(step_dir, checksums=self._verify_checksums)
+    params = restore_item(step_dir / PARAMS, abstract_params, PARAMS)
+    opt_state = restore_item(step_dir / OPT_STATE, abstract_opt_state, OPT_STATE)
+    items = {TRAIN_META: ocp.args.JsonRestore()}
+    if iterator is not None:
+      items[DATA_ITERATOR] = IteratorRestore(iterator)
+    try:
+      restored = self._manager.restore(step, args=ocp.args.Composite(**items))
+    except CheckpointError:
+      raise
+    except Exception as e:  # JSON / tf.data errors: name the step directory
+      raise CheckpointError(f"Cannot restore {step_dir}: {e}") from e
+    logging.info("Restored training checkpoint %s", step_dir)
+    return Restored(step=step, params=params, opt_state=opt_state, meta=dict(restored[TRAIN_META]))
+
+  def restore_latest(
+    self,
+    abstract_params: Any,
+    abstract_opt_state: Any,
+    iterator: CheckpointableIterator | None = None,
+  ) -> Restored | None:
+    """Restores the newest intact step (see `restore`); None without any step.
+
+    A step that fails verification (or whose restore raises
+    `CorruptCheckpointError`) is skipped for the next older one, with a
+    warning naming the bad step, its file and the step used instead; the
+    skipped steps are moved aside before the next `save` (see the class).
+
+    Raises:
+      CheckpointMismatchError: the newest intact step holds a different model.
+      CorruptCheckpointError: every step is corrupt, naming each bad file.
+    """
+    steps = self.all_steps()
+    if not steps:
+      return None
+    step, restored = newest_intact(
+      self.directory,
+      steps,
+      lambda s: self.restore(s, abstract_params, abstract_opt_state, iterator),
+    )
+    self._corrupt = [s for s in steps if s > step]
+    return restored
+
+  def _set_aside_corrupt(self) -> None:
+    """Moves the corrupt steps found by `restore_latest` to `<step>.corrupt`."""
+    if jax.process_index() == 0:
+      for step in self._corrupt:
+        source = self.directory / str(step)
+        target = self.directory / f"{step}.corrupt"
+        n = 1
+        while target.exists():  # a step corrupted again after an earlier move
+          n += 1
+          target = self.directory / f"{step}.corrupt.{n}"
+        source.rename(target)
+        logging.warning(
+          "Moved corrupt checkpoint step %s to %s (files unchanged) before saving the "
+          "steps training redoes; delete it once inspected.",
+          source,
+          target,
+        )
+    ocp.multihost.sync_global_processes("t5x_lite_set_aside_corrupt_steps")
+    self._manager.reload()
+    self._corrupt = []
+
+  def _finish_pending(self) -> None:
+    """Waits for the running save and writes its files.json."""
+    self._manager.wait_until_finished()
+    step, self._unmanifested = self._unmanifested, None
+    if step is None or jax.process_index() != 0:
+      return
+    if (self.directory / str(step)).is_dir():  # else: already rotated out
+      write_file_manifest(self.directory / str(step))
+
+  def wait(self) -> None:
+    """Blocks until every started save is committed and verified-writable."""
+    self._finish_pending()
+
+  def close(self) -> None:
+    """Finishes pending saves and releases orbax resources."""
+    self._finish_pending()
+    self._manager.close()

@@ -1,0 +1,5 @@
+"""Data: text sources, the vocabulary, the T5 paper's objectives and mixing, and the pipeline.
+
+Sources and preprocessors for seqio tasks, metrics, and `pipeline`: a seqio task or mixture
+to per-host numpy batches and global sharded arrays. Imports `t5x_lite.core` and `t5x_lite.nn`.
+"""

@@ -1,0 +1,236 @@
+"""T5's residual blocks: the encoder and decoder layers, and how a stack runs them.
+
+Math only, like `t5x_lite.nn.network`, whose stacks (and `decoder_only`'s) use these:
+pre-norm sublayers (T5's RMSNorm, then attention or the MLP, dropout, the residual
+add), the adapter after each feed-forward sublayer when configured, one relative
+position bias per stack or per layer, and the plain loop or `nn.scan` over layers with
+optional rematerialisation.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from t5x_lite.nn import layers
+
+if TYPE_CHECKING:
+  from t5x_lite.nn.network import T5Config
+
+Array = jax.Array
+
+
+def norm(cfg: T5Config, name: str, in_layer: bool = True) -> layers.RMSNorm:
+  """T5's RMSNorm (no bias, no mean subtraction) named `name`.
+
+  `in_layer`: inside a layer, which `apply_layers` rematerialises as a whole unless
+  remat_policy is 'none'; then the norm does not checkpoint itself as well.
+  """
+  return layers.RMSNorm(
+    cfg.layer_norm_epsilon,
+    cfg.activation_dtype,
+    cfg.parameter_dtype,
+    recompute=not in_layer or cfg.remat_policy == 'none',
+    name=name,
+  )
+
+
+def attention(cfg: T5Config, name: str, cross: bool = False) -> layers.MultiHeadAttention:
+  """Multi-head attention named `name` (`cross`: keys and values from the encoder)."""
+  return layers.MultiHeadAttention(
+    cfg.num_heads,
+    cfg.head_dim,
+    cfg.dropout_rate,
+    cross,
+    cfg.activation_dtype,
+    cfg.parameter_dtype,
+    cfg.attention_logits_jnp_dtype,
+    name=name,
+  )
+
+
+def mlp(cfg: T5Config) -> layers.MlpBlock:
+  """The feed-forward block ('relu' for T5 1.0, gated GELU for 1.1), named 'mlp'."""
+  return layers.MlpBlock(
+    cfg.mlp_dim,
+    cfg.mlp_activations,
+    cfg.dropout_rate,
+    cfg.activation_dtype,
+    cfg.parameter_dtype,
+    recompute=cfg.remat_policy == 'none',  # else the whole layer is rematerialised
+    name='mlp',
+  )
+
+
+def residual(cfg: T5Config, y: Array, x: Array, deterministic: bool) -> Array:
+  """dropout(y) + x, constrained to ('batch', 'length', 'embed')."""
+  y = nn.Dropout(rate=cfg.dropout_rate, broadcast_dims=(-2,))(y, deterministic=deterministic)
+  return nn.with_logical_constraint(y + x, ('batch', 'length', 'embed'))
+
+
+def feed_forward(cfg: T5Config, x: Array, deterministic: bool) -> Array:
+  """The pre-norm MLP sublayer with its residual, then the adapter when configured.
+
+  x [batch, length, embed] -> same.
+  """
+  y = norm(cfg, 'pre_mlp_layer_norm')(x)
+  y = mlp(cfg)(y, deterministic)
+  x = residual(cfg, y, x, deterministic)
+  if cfg.adapter_dim:
+    x = layers.Adapter(cfg.adapter_dim, cfg.activation_dtype, cfg.parameter_dtype, name='adapter')(
+      x
+    )
+    x = nn.with_logical_constraint(x, ('batch', 'length', 'embed'))
+  return x
+
+
+class EncoderLayer(nn.Module):
+  """Pre-norm self-attention + MLP block (+ adapter).
+
+  Attributes:
+    config: the network config.
+    deterministic: disables dropout.
+  """
+
+  config: T5Config
+  deterministic: bool = True
+
+  @nn.compact
+  def __call__(self, x: Array, mask_bias: Array, position_bias: Array) -> Any:
+    """x [batch, length, embed] -> same; returns (x, None) when scanned."""
+    cfg = self.config
+    position_bias = layer_position_bias(cfg, position_bias, bidirectional=True)
+    y = norm(cfg, 'pre_attention_layer_norm')(x)
+    y = attention(cfg, 'attention')(
+      y, y, mask_bias, position_bias, deterministic=self.deterministic
+    )
+    x = residual(cfg, y, x, self.deterministic)
+    x = feed_forward(cfg, x, self.deterministic)
+    return (x, None) if cfg.scan_layers else x
+
+
+class DecoderLayer(nn.Module):
+  """Pre-norm causal self-attention + cross-attention + MLP block (+ adapter).
+
+  Attributes:
+    config: the network config.
+    deterministic: disables dropout.
+    decode: use/initialise the single-step decoding caches.
+    cache_length: self-attention cache length when initialising the cache.
+  """
+
+  config: T5Config
+  deterministic: bool = True
+  decode: bool = False
+  cache_length: int | None = None
+
+  @nn.compact
+  def __call__(
+    self,
+    x: Array,
+    encoded: Array,
+    self_mask_bias: Array | None,
+    position_bias: Array,
+    cross_mask_bias: Array | None,
+    decode_position: Array | None,
+    prefilled: Array | None = None,
+  ) -> Any:
+    """x [batch, target_len, embed] -> same; returns (x, None) when scanned.
+
+    Without `encoded` (decoder-only models) the layer has no cross-attention.
+    `prefilled` [batch]: see `layers.MultiHeadAttention`.
+    """
+    cfg = self.config
+    position_bias = layer_position_bias(cfg, position_bias, bidirectional=False)
+    kwargs = dict(
+      deterministic=self.deterministic, decode=self.decode, decode_position=decode_position
+    )
+    y = norm(cfg, 'pre_self_attention_layer_norm')(x)
+    y = attention(cfg, 'self_attention')(
+      y,
+      y,
+      self_mask_bias,
+      position_bias,
+      cache_length=self.cache_length,
+      prefilled=prefilled,
+      **kwargs,
+    )
+    x = residual(cfg, y, x, self.deterministic)
+    if encoded is not None:
+      y = norm(cfg, 'pre_cross_attention_layer_norm')(x)
+      y = attention(cfg, 'encoder_decoder_attention', cross=True)(
+        y, encoded, cross_mask_bias, **kwargs
+      )
+      x = residual(cfg, y, x, self.deterministic)
+    x = feed_forward(cfg, x, self.deterministic)
+    return (x, None) if cfg.scan_layers else x
+
+
+def apply_layers(
+  cfg: T5Config,
+  layer_cls: type[nn.Module],
+  num_layers: int,
+  x: Array,
+  *args: Any,
+  **layer_kwargs: Any,
+) -> Array:
+  """Runs num_layers layers (plain loop or nn.scan), rematerialised per cfg.remat_policy.
+
+  Must be called inside a compact method: layers are named `layers_{i}`, or `layers`
+  when scanned (params stacked on a leading 'layers' axis, caches on axis 1 so
+  batch stays leading).
+  """
+  if cfg.remat_policy != 'none':
+    policy = (
+      jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims
+      if cfg.remat_policy == 'minimal'
+      else None
+    )
+    layer_cls = nn.remat(layer_cls, prevent_cse=not cfg.scan_layers, policy=policy)
+  if cfg.scan_layers:
+    scanned = nn.scan(
+      layer_cls,
+      variable_axes={'params': 0, 'cache': 1},
+      split_rngs={'params': True, 'dropout': True},
+      in_axes=(nn.broadcast,) * len(args),
+      length=num_layers,
+      metadata_params={nn.PARTITION_NAME: 'layers'},
+    )
+    x, _ = scanned(cfg, name='layers', **layer_kwargs)(x, *args)
+    return x
+  for i in range(num_layers):
+    x = layer_cls(cfg, name=f'layers_{i}', **layer_kwargs)(x, *args)
+  return x
+
+
+def layer_position_bias(cfg: T5Config, position_bias: Array, bidirectional: bool) -> Array:
+  """A layer's relative position bias [1, heads, q, k].
+
+  `position_bias` is the stack's bias, or with `relpos_bias_per_layer` the relative
+  positions [1, q, k] that this layer's own table turns into one.
+  """
+  if not cfg.relpos_bias_per_layer:
+    return position_bias
+  return relpos(cfg)(position_bias, bidirectional=bidirectional)
+
+
+def stack_position_bias(cfg: T5Config, relative: Array, bidirectional: bool) -> Array:
+  """What a stack passes its layers: the bias of its table, or (per-layer tables) `relative`."""
+  if cfg.relpos_bias_per_layer:
+    return relative
+  return relpos(cfg)(relative, bidirectional=bidirectional)
+
+
+def relpos(cfg: T5Config) -> layers.RelativePositionBiases:
+  """The bucketed relative position bias table, named 'relpos_bias'."""
+  return layers.RelativePositionBiases(
+    cfg.relative_attention_num_buckets,
+    cfg.relative_attention_max_distance,
+    cfg.num_heads,
+    jnp.float32,
+    cfg.parameter_dtype,
+    name='relpos_bias',
+  )

@@ -1,0 +1,502 @@
+"""The training loop: state setup (fresh / resume / fine-tune), steps, logs, saves.
+
+`train()` is gin-configured by gin/runs/pretrain.gin or gin/runs/finetune.gin
+and called by `python -m t5x_lite.train`. What it guarantees:
+
+* Resume: when MODEL_DIR holds a checkpoint, the latest one is restored
+  (params, optimizer state, step, RNG, data-iterator position) straight into
+  the target shardings, so the resumed run computes exactly what the
+  uninterrupted run would have. A checkpoint of a different model is an error
+  listing the mismatched parameters, never a silent re-initialisation.
+* Fine-tune: otherwise, with `initial_checkpoint_path`, only `params` are
+  restored (optimizer, step and data start fresh); `restore_config`
+  (`partial_restore.RestoreConfig`) maps, skips or freshly initialises
+  parameters, converts scanned / unscanned layers, or also restores the
+  optimizer state and step.
+* SIGTERM / SIGINT: the running step finishes, a checkpoint is saved at that
+  step, `train()` returns normally (exit status 0).
+* Non-finite loss or gradient norm (or parameters, checked before each save):
+  `NonFiniteLossError` naming the first bad step; nothing after the last good
+  periodic checkpoint is saved.
+* Logging every `log_period` steps: loss, accuracy, learning rate, gradient
+  norm, per-device tokens/s and sequences/s, MFU (`t5x_lite.training.throughput`),
+  to TensorBoard, MODEL_DIR/metrics.jsonl and the console.
+
+Metrics stay on device between log steps (no per-step host sync); they are
+fetched and checked at log steps, before every save and at the end.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import gin
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import logging
+
+from t5x_lite import distillation, models
+from t5x_lite.nn import flops, network
+from t5x_lite.data import pipeline
+from t5x_lite.checkpoint import checkpoints, partial_restore, train_checkpointer
+from t5x_lite.training import metrics_logging, optimizers, partitioning, throughput, trainer
+from t5x_lite.run import eval_lib
+from t5x_lite.core.errors import UserError
+
+CONFIG_FILE = "config.gin"
+
+
+class NonFiniteLossError(UserError, RuntimeError):
+  """Training produced a NaN/Inf loss or gradient norm."""
+
+
+class StopRequest:
+  """Turns SIGTERM/SIGINT into a flag the loop checks between steps."""
+
+  def __init__(self):
+    self.signal_name: str | None = None
+
+  def __bool__(self) -> bool:
+    return self.signal_name is not None
+
+  def _handle(self, signum: int, frame: Any) -> None:
+    del frame
+    self.signal_name = signal.Signals(signum).name
+    logging.warning("Received %s: finishing this step, then saving and exiting.", self.signal_name)
+
+  @contextlib.contextmanager
+  def installed(self) -> Iterator[StopRequest]:
+    """Installs the handlers (main thread only) and restores the old ones."""
+    if threading.current_thread() is not threading.main_thread():
+      yield self
+      return
+    previous = {s: signal.signal(s, self._handle) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+      yield self
+    finally:
+      for sig, handler in previous.items():
+        signal.signal(sig, handler)
+
+
+@dataclasses.dataclass
+class _Setup:
+  """Everything the loop needs, built before the first step."""
+
+  state: trainer.TrainState
+  shardings: trainer.TrainState
+  rng: jax.Array
+  model_config: network.T5Config
+  partitioner: partitioning.Partitioner
+
+
+def _setup_state(
+  model: models.EncoderDecoderModel,
+  optimizer: optimizers.Optimizer,
+  ckpt: train_checkpointer.TrainCheckpointer,
+  train_iter: pipeline.TrainIterator,
+  partitioner: partitioning.Partitioner,
+  *,
+  random_seed: int,
+  initial_checkpoint_path: str | None,
+  initial_checkpoint_dtype: str | None,
+  restore_config: partial_restore.RestoreConfig | None,
+) -> _Setup:
+  """Resumes from MODEL_DIR, else initialises (optionally from a checkpoint).
+
+  Resuming restores the newest intact step of MODEL_DIR: corrupt newer steps are
+  skipped with a warning (`TrainCheckpointer.restore_latest`). A fine-tuning start
+  restores the initial checkpoint as `restore_config` says (default
+  `RestoreConfig()` with its gin bindings; `t5x_lite.checkpoint.partial_restore`): adapter
+  parameters it lacks keep their fresh (identity) init.
+  """
+  init_rng, rng = jax.random.split(jax.random.PRNGKey(random_seed))
+  abstract, shardings = trainer.abstract_train_state(model, optimizer, partitioner)
+  restored = ckpt.restore_latest(abstract.params, abstract.opt_state, train_iter)
+  if restored is not None:
+    logging.info("Resuming from %s/%d", ckpt.directory, restored.step)
+    step = jax.device_put(jnp.asarray(restored.step, jnp.int32), shardings.step)
+    state = trainer.TrainState(step=step, params=restored.params, opt_state=restored.opt_state)
+    rng = jnp.asarray(restored.meta["rng"], jnp.uint32)
+  else:
+    state, shardings = trainer.init_train_state(model, optimizer, init_rng, partitioner)
+    if initial_checkpoint_path:
+      config = restore_config or partial_restore.RestoreConfig()
+      what = "params, optimizer state, step" if config.restore_optimizer_state else "params"
+      logging.info("Fine-tuning from %s (%s)", initial_checkpoint_path, what)
+      frozen_by = [
+        binding
+        for binding, frozen in (
+          ("train.trainable_parameters", optimizer.trainable is not None),
+          ("train.gradual_unfreezing_steps", optimizer.unfreeze_every is not None),
+        )
+        if frozen
+      ]
+      start = partial_restore.restore_start(
+        initial_checkpoint_path,
+        abstract.params,
+        state.params,
+        config,
+        dtype=initial_checkpoint_dtype,
+        abstract_opt_state=abstract.opt_state,
+        frozen_by=frozen_by,
+        vocabulary=model.output_vocabulary,
+      )
+      state = state.replace(params=start.params)
+      if start.opt_state is not None:
+        step = jax.device_put(jnp.asarray(start.step, jnp.int32), shardings.step)
+        state = state.replace(step=step, opt_state=start.opt_state)
+    elif restore_config is not None:
+      logging.warning("train.restore_config is ignored: train.initial_checkpoint_path is not set")
+  if isinstance(model, distillation.DistillationModel):  # restored anew on every start
+    state = state.replace(teacher_params=model.restore_teacher(abstract.teacher_params))
+  return _Setup(state, shardings, rng, model.module.config, partitioner)
+
+
+def _fetch_and_check(
+  pending: Sequence[tuple[int, Mapping[str, jax.Array]]], last_saved: int | None
+) -> list[dict[str, float]]:
+  """Fetches pending step metrics; raises at the first non-finite step."""
+  fetched = jax.device_get([m for _, m in pending])
+  for (step, _), metrics in zip(pending, fetched):
+    bad = [k for k in ("loss", "grad_norm") if k in metrics and not np.isfinite(metrics[k])]
+    if bad:
+      values = ", ".join(f"{k}={metrics[k]}" for k in bad)
+      saved = (
+        f"the last checkpoint (step {last_saved}) is intact"
+        if last_saved is not None
+        else "no checkpoint was written"
+      )
+      raise NonFiniteLossError(
+        f"Non-finite {values} at step {step} (the update producing step {step}); "
+        f"stopping without saving, {saved}."
+      )
+  return [{k: float(v) for k, v in m.items()} for m in fetched]
+
+
+@jax.jit
+def _all_finite(tree: Any) -> jax.Array:
+  """Whether every element of every leaf is finite (checked before each save)."""
+  return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]))
+
+
+def _mean_metrics(metrics: Sequence[Mapping[str, float]]) -> dict[str, float]:
+  """Interval means; the learning rate of the last step."""
+  keys = ("loss", "accuracy", "grad_norm", "z_loss", "cross_ent_loss", "distill_kl")
+  summary = {k: float(np.mean([m[k] for m in metrics])) for k in keys if k in metrics[-1]}
+  if "learning_rate" in metrics[-1]:
+    summary["learning_rate"] = metrics[-1]["learning_rate"]
+  return summary
+
+
+def evaluate(eval_step: Any, params: Any, batches: Iterator[pipeline.Batch]) -> dict[str, float]:
+  """Mean eval loss/accuracy over `batches`, each batch weighted by its target tokens.
+
+  With a per-token loss (LOSS_NORMALIZING_FACTOR = 'NUM_REAL_TARGET_TOKENS', the
+  gin/runs default) this is the loss per target token of the whole eval set;
+  all-padding batches carry no weight.
+  """
+  results = jax.device_get([eval_step(params, batch) for batch in batches])
+  results = [r for r in results if r["num_tokens"] > 0]  # padding batches: loss 0/0
+  if not results:
+    raise ValueError("The evaluation split produced no target tokens.")
+  weights = np.array([r["num_tokens"] for r in results], np.float64)
+  summary = {
+    k: float(np.average([r[k] for r in results], weights=weights)) for k in ("loss", "accuracy")
+  }
+  summary["num_tokens"] = float(weights.sum())
+  return summary
+
+
+def write_operative_config(model_dir: str) -> None:
+  """Writes the operative gin config to MODEL_DIR/config.gin (process 0)."""
+  if jax.process_index() == 0:
+    os.makedirs(model_dir, exist_ok=True)
+    with open(os.path.join(model_dir, CONFIG_FILE), "w", encoding="utf-8") as f:
+      f.write(gin.operative_config_str())
+
+
+def _teacher_forward_flops(model: models.EncoderDecoderModel, inputs: int, targets: int) -> float:
+  """A distillation teacher's forward FLOPs per example (0 without a teacher)."""
+  if not isinstance(model, distillation.DistillationModel):
+    return 0.0
+  return flops.forward_flops(model.teacher_module.config, inputs, targets)
+
+
+class _Loop:
+  """Runs steps and decides when to log, check, save and evaluate."""
+
+  def __init__(
+    self,
+    model: models.EncoderDecoderModel,
+    optimizer: optimizers.Optimizer,
+    setup: _Setup,
+    ckpt: train_checkpointer.TrainCheckpointer,
+    train_iter: pipeline.TrainIterator,
+    model_dir: str,
+    total_steps: int,
+    dataset_cfg: pipeline.DatasetConfig,
+    num_microbatches: int,
+    log_period: int,
+  ):
+    self.setup, self.ckpt, self.train_iter = setup, ckpt, train_iter
+    self.total_steps, self.log_period = total_steps, log_period
+    self.model = model
+    self.train_step = trainer.make_train_step(
+      model, optimizer, setup.partitioner, setup.shardings, num_microbatches
+    )
+    self.logger = metrics_logging.MetricsLogger(model_dir, total_steps)
+    lengths = pipeline.model_feature_lengths(dataset_cfg)
+    # A decoder-only model's inputs are inside its decoder_target_tokens.
+    inputs, targets = lengths.get("encoder_input_tokens", 0), lengths["decoder_target_tokens"]
+    tokens = dataset_cfg.batch_size * (inputs + targets)
+    peak, source = throughput.device_peak_flops()
+    logging.info("Peak FLOP/s per device for MFU: %.3g (%s)", peak, source)
+    self.throughput = throughput.Throughput(
+      rows_per_step=dataset_cfg.batch_size,
+      tokens_per_step=tokens,
+      flops_per_step=flops.flops_per_token(setup.model_config, inputs, targets) * tokens
+      + _teacher_forward_flops(model, inputs, targets) * dataset_cfg.batch_size,
+      num_devices=setup.partitioner.mesh.devices.size,
+      peak_flops_per_device=peak,
+    )
+    self.eval: tuple[pipeline.DatasetConfig, int, int, Any] | None = None
+    # (period, fn(params, step) -> scalars): seqio evaluation, see `eval_lib`.
+    self.infer_eval: tuple[int, Any] | None = None
+    self.last_saved = ckpt.latest_step()
+    self.vocabulary = checkpoints.vocabulary_fingerprint(model.output_vocabulary)
+
+  def enable_eval(self, cfg: pipeline.DatasetConfig, period: int, steps: int) -> None:
+    """Evaluates every `period` steps (and at the end) on `steps` batches of `cfg`."""
+    eval_step = trainer.make_eval_step(
+      self.model, self.setup.partitioner, self.setup.shardings.params
+    )
+    self.eval = (cfg, period, steps, eval_step)
+
+  def _save(self, state: trainer.TrainState, step: int) -> None:
+    if not bool(_all_finite(state.params)):
+      raise NonFiniteLossError(
+        f"Non-finite parameters after step {step}; stopping without saving, the last "
+        f"checkpoint (step {self.last_saved}) is intact."
+      )
+    meta = {
+      "rng": [int(x) for x in np.asarray(jax.device_get(self.setup.rng)).ravel()],
+      "data_batches_consumed": self.train_iter.batches_consumed,
+      checkpoints.MODEL_CONFIG_KEY: dataclasses.asdict(self.setup.model_config),
+      checkpoints.VOCABULARY_KEY: self.vocabulary,
+    }
+    if self.ckpt.save(step, state.params, state.opt_state, meta, self.train_iter):
+      self.last_saved = step
+
+  def _maybe_eval(self, state: trainer.TrainState, step: int) -> bool:
+    if self.eval is None:
+      return False
+    cfg, period, steps, eval_step = self.eval
+    if step % period and step != self.total_steps:
+      return False
+    batches = pipeline.eval_batches(cfg, self.setup.partitioner.batch_sharding, steps)
+    self.logger.write("eval", step, evaluate(eval_step, state.params, batches))
+    return True
+
+  def _maybe_infer_eval(self, state: trainer.TrainState, step: int) -> bool:
+    if self.infer_eval is None:
+      return False
+    period, evaluate_fn = self.infer_eval
+    if step % period and step != self.total_steps:
+      return False
+    self.logger.write("eval", step, evaluate_fn(state.params, step))
+    return True
+
+  def run(self, stop: StopRequest) -> trainer.TrainState:
+    """Trains from the state's step to `total_steps` or until `stop`."""
+    state = self.setup.state
+    step = int(jax.device_get(state.step))
+    pending: list[tuple[int, Mapping[str, jax.Array]]] = []
+    window: list[dict[str, float]] = []
+    clock: tuple[int, float] | None = None
+    while step < self.total_steps and not stop:
+      state, metrics = self.train_step(state, next(self.train_iter), self.setup.rng)
+      step += 1
+      pending.append((step, metrics))
+      if clock is None:  # the first step includes compilation: time from its end
+        jax.block_until_ready(metrics)
+        clock = (step, time.time())
+        self.logger.start_clock(step)
+      log = step % self.log_period == 0 or step == self.total_steps
+      save = self.ckpt.should_save(step)
+      if log or save or stop:
+        window += _fetch_and_check(pending, self.last_saved)
+        pending = []
+      if log:
+        scalars = _mean_metrics(window)
+        if step > clock[0]:
+          scalars.update(self.throughput.rates(step - clock[0], time.time() - clock[1]))
+        self.logger.write("train", step, scalars)
+        window, clock = [], (step, time.time())
+      if save:
+        self._save(state, step)
+      evaluated = self._maybe_eval(state, step)
+      evaluated = self._maybe_infer_eval(state, step) or evaluated
+      if evaluated or save:  # keep save/eval time out of rates
+        clock = (step, time.time())
+    if pending:
+      _fetch_and_check(pending, self.last_saved)
+    if step != self.last_saved and step > 0:
+      self._save(state, step)
+    self.ckpt.wait()  # the line below promises a complete checkpoint on disk
+    saved = (
+      f"checkpoint {self.ckpt.directory}/{self.last_saved}"
+      if self.last_saved is not None
+      else "no checkpoint"
+    )
+    if stop:
+      logging.warning("Stopped by %s at step %d; %s.", stop.signal_name, step, saved)
+    else:
+      logging.info("Training finished at step %d; %s.", step, saved)
+    return state
+
+  def release_input(self) -> None:
+    """Drops the training iterator on a daemon thread instead of waiting for its teardown.
+
+    Deleting a tf.data iterator joins its autotuning thread, and TensorFlow
+    (2.21, `Model::OptimizeLoop`) can miss the cancellation when that thread
+    wakes up at the same moment: it then sleeps out its optimisation period,
+    up to 60 s, and a finished or stopped run sat that long after its last
+    line before exiting. The teardown waits without the GIL, so neither the
+    rest of the process nor its exit waits for it. Call it once the iterator's
+    position is saved: `TrainCheckpointer.save` writes it before returning.
+    """
+    doomed = [self.train_iter]
+    del self.train_iter
+    threading.Thread(target=doomed.clear, name="release-train-iterator", daemon=True).start()
+
+
+@gin.configurable(denylist=["stop"])
+def train(
+  *,
+  model_dir: str = gin.REQUIRED,
+  total_steps: int = gin.REQUIRED,
+  train_dataset_cfg: pipeline.DatasetConfig = gin.REQUIRED,
+  optimizer: optimizers.Optimizer = gin.REQUIRED,
+  model: models.EncoderDecoderModel | None = None,
+  eval_dataset_cfg: pipeline.DatasetConfig | None = None,
+  eval_period: int = 0,
+  eval_steps: int = 10,
+  infer_eval_period: int = 0,
+  log_period: int = 10,
+  random_seed: int = 0,
+  num_microbatches: int = 1,
+  partitioner: partitioning.Partitioner | None = None,
+  initial_checkpoint_path: str | None = None,
+  initial_checkpoint_dtype: str | None = None,
+  restore_config: partial_restore.RestoreConfig | None = None,
+  trainable_parameters: Sequence[str] | None = None,
+  gradual_unfreezing_steps: int | None = None,
+  data_checkpoint_mode: str = "iterator",
+  stop: StopRequest | None = None,
+) -> trainer.TrainState:
+  """Trains until `total_steps`, resuming from MODEL_DIR when it has a checkpoint.
+
+  Args:
+    model_dir: MODEL_DIR: checkpoints, metrics, config.gin.
+    total_steps: the step to train to (a resumed run continues up to it).
+    train_dataset_cfg: training data (global batch size included).
+    optimizer: an `optimizers.Optimizer`.
+    model: the model; default `models.build_model()`.
+    eval_dataset_cfg: validation data for periodic eval loss; None disables.
+    eval_period: evaluate every this many steps and at the end (0: never).
+    eval_steps: batches per evaluation.
+    infer_eval_period: seqio evaluation (decoded predictions and the tasks'
+      metrics, `eval_lib.training_evaluator`) of `eval_dataset_cfg` every
+      this many steps and at the end (0: never).
+    log_period: write metrics every this many steps.
+    random_seed: parameter init and dropout seed of a fresh run (a resumed run
+      uses the RNG saved in its checkpoint).
+    num_microbatches: gradient accumulation slices per step.
+    partitioner: mesh and logical-axis rules; default `partitioning.Partitioner()`
+      (gin: `Partitioner.num_partitions`, `Partitioner.fsdp`).
+    initial_checkpoint_path: fine-tune start: checkpoint root or step dir whose
+      `params` are loaded when MODEL_DIR has no checkpoint yet.
+    initial_checkpoint_dtype: cast the loaded params to this dtype (default:
+      the model's param dtype).
+    restore_config: how the initial checkpoint is restored
+      (`partial_restore.RestoreConfig`: assignment map, fallback to fresh init,
+      optimizer state and step); default `RestoreConfig()` with its gin bindings.
+    trainable_parameters: regular expressions over parameter paths
+      ('encoder/layers_0/mlp/wi_0/kernel'; `re.fullmatch`) that train; the others are
+      frozen (no optimizer state, bitwise unchanged). None trains everything.
+    gradual_unfreezing_steps: unfreeze one more encoder and decoder block, from the
+      top, every this many steps (`optimizers.Optimizer.with_gradual_unfreezing`);
+      None: off.
+    data_checkpoint_mode: 'iterator' or 'skip' (see `t5x_lite.data.pipeline`).
+    stop: stop flag (tests); default: SIGTERM/SIGINT handlers.
+
+  Returns:
+    The final TrainState.
+  """
+  model = model or models.build_model()
+  train_dataset_cfg = pipeline.for_model(train_dataset_cfg, model.module.config)
+  if eval_dataset_cfg is not None:
+    eval_dataset_cfg = pipeline.for_model(eval_dataset_cfg, model.module.config)
+  partitioner = partitioner or partitioning.Partitioner()
+  optimizer = optimizer.with_trainable(trainable_parameters).with_gradual_unfreezing(
+    gradual_unfreezing_steps
+  )
+  trainable, total = optimizers.trainable_counts(
+    partitioner.abstract_params(model.init_params)[0], trainable_parameters
+  )
+  logging.info("trainable parameters: %d of %d", trainable, total)
+  ckpt = train_checkpointer.TrainCheckpointer(model_dir)
+  stop = StopRequest() if stop is None else stop
+  with contextlib.ExitStack() as stack:
+    stack.callback(ckpt.close)
+    stack.enter_context(stop.installed())
+    if jax.process_index() == 0:  # every host reads the same first examples: report once
+      pipeline.log_truncation(train_dataset_cfg)  # warns when examples exceed the feature lengths
+    train_iter = pipeline.train_iterator(
+      train_dataset_cfg, partitioner.batch_sharding, data_checkpoint_mode
+    )
+    setup = _setup_state(
+      model,
+      optimizer,
+      ckpt,
+      train_iter,
+      partitioner,
+      random_seed=random_seed,
+      initial_checkpoint_path=initial_checkpoint_path,
+      initial_checkpoint_dtype=initial_checkpoint_dtype,
+      restore_config=restore_config,
+    )
+    loop = _Loop(
+      model,
+      optimizer,
+      setup,
+      ckpt,
+      train_iter,
+      model_dir,
+      total_steps,
+      train_dataset_cfg,
+      num_microbatches,
+      log_period,
+    )
+    if eval_dataset_cfg is not None and eval_period > 0:
+      loop.enable_eval(eval_dataset_cfg, eval_period, eval_steps)
+    if infer_eval_period > 0:
+      loop.infer_eval = (
+        infer_eval_period,
+        eval_lib.training_evaluator(
+          model, partitioner, setup.shardings.params, eval_dataset_cfg, model_dir
+        ),
+      )
+    write_operative_config(model_dir)
+    del train_iter  # `loop` holds the only reference, which `release_input` hands off
+    stack.callback(loop.release_input)
+    stack.callback(loop.logger.close)
+    return loop.run(stop)

@@ -1,0 +1,5 @@
+"""Training: the mesh and logical-axis rules, optimizers, pure train / eval steps, metrics.
+
+The one place steps are jitted with shardings (`partitioning.Partitioner`, `trainer`), plus
+throughput (tokens/s, MFU) and metric logging. Imports the model layer and below.
+"""
