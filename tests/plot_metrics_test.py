@@ -117,3 +117,35 @@ def test_peak_table_and_rates():
   assert rates["throughput/tokens_per_sec_per_device"] == pytest.approx(1000.0)
   assert rates["throughput/mfu"] == pytest.approx(0.5)
   assert rates["throughput/step_time_sec"] == pytest.approx(0.4)
+
+
+def _write_timed_run(model_dir) -> None:
+  logger = metrics_logging.MetricsLogger(str(model_dir), total_steps=20)
+  for step in range(1, 21):
+    placed = {"elapsed_s": 30.0 * step, "tokens_seen": 100.0 * step}
+    logger.write("train", step, {"loss": 10.0 / step, **placed})
+    if step % 10 == 0:
+      logger.write("eval", step, {"loss": 0.5, "task_a/bleu": step / 2, **placed})
+  logger.write("final", 10, {"task_a/bleu": 4.0})
+  logger.close()
+
+
+def test_task_metrics_against_minutes_and_tokens(tmp_path):
+  _write_timed_run(tmp_path)
+  series = plot_metrics.read_metrics(str(tmp_path / "metrics.jsonl"))
+  assert plot_metrics.task_metrics(series) == ["task_a/bleu"]
+  assert plot_metrics.positions(series, "eval", [10, 20], "minutes") == [5.0, 10.0]
+  assert plot_metrics.positions(series, "eval", [10, 20], "tokens") == [1000.0, 2000.0]
+  # The final record is placed at its step's wall time, taken from that step's records.
+  assert plot_metrics.positions(series, "final", [10], "minutes") == [5.0]
+  drawn = plot_metrics.plot(
+    series, ["loss", "task_a/bleu"], str(tmp_path / "m.png"), "t", "minutes"
+  )
+  assert drawn == ["loss", "task_a/bleu"]
+
+
+def test_minutes_of_records_without_elapsed_time_is_an_error(tmp_path):
+  _write_run(tmp_path)
+  series = plot_metrics.read_metrics(str(tmp_path / "metrics.jsonl"))
+  with pytest.raises(ValueError, match="--x minutes: the train records have no elapsed_s"):
+    plot_metrics.plot(series, ["loss"], str(tmp_path / "m.png"), "t", "minutes")

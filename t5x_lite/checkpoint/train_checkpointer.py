@@ -102,6 +102,18 @@ class IteratorRestore(ocp.args.CheckpointArgs):
 # Training checkpoints.
 
 
+@dataclasses.dataclass
+class _ProtectedSteps:
+  """An orbax preservation policy keeping the steps in `steps` (e.g. the best one)."""
+
+  steps: set[int] = dataclasses.field(default_factory=set)
+
+  def should_preserve(self, checkpoints: Any, *, context: Any) -> list[bool]:
+    """Preserves exactly the checkpoints whose step is protected."""
+    del context
+    return [info.step in self.steps for info in checkpoints]
+
+
 @dataclasses.dataclass(frozen=True)
 class Restored:
   """What a training restore returns."""
@@ -158,8 +170,11 @@ class TrainCheckpointer:
     self.directory = absolute_path(directory)
     self.save_period = save_period
     self._verify_checksums = verify_checksums
+    self._protected = _ProtectedSteps()
     options = ocp.CheckpointManagerOptions(
-      preservation_policy=ocp.checkpoint_managers.LatestN(keep),
+      preservation_policy=ocp.checkpoint_managers.AnyPreservationPolicy(
+        [ocp.checkpoint_managers.LatestN(keep), self._protected]
+      ),
       enable_async_checkpointing=async_save,
       cleanup_tmp_directories=True,
     )
@@ -176,6 +191,14 @@ class TrainCheckpointer:
     )
     self._unmanifested: int | None = None
     self._corrupt: list[int] = []  # found by `restore_latest`, not yet moved aside
+
+  def protect(self, step: int | None) -> None:
+    """Keeps `step` (once saved) out of the keep-last-K rotation; None protects nothing.
+
+    One step is protected at a time (the run's best step, `t5x_lite.early_stopping`);
+    the previously protected one rotates out as usual.
+    """
+    self._protected.steps = set() if step is None else {step}
 
   def latest_step(self) -> int | None:
     """The newest committed step not found corrupt by `restore_latest`, or None."""

@@ -313,7 +313,14 @@ def evaluate_checkpoints(
 
 
 @gin.configurable(
-  denylist=["model", "partitioner", "param_shardings", "eval_dataset_cfg", "model_dir"]
+  denylist=[
+    "model",
+    "partitioner",
+    "param_shardings",
+    "eval_dataset_cfg",
+    "model_dir",
+    "log_subdir",
+  ]
 )
 def training_evaluator(
   model: models.EncoderDecoderModel,
@@ -325,6 +332,7 @@ def training_evaluator(
   dataset_cfg: pipeline.DatasetConfig | None = None,
   decode: model_runner.DecodeConfig | None = None,
   num_examples: int | None = None,
+  log_subdir: str = "inference_eval",
 ) -> Callable[[PyTree, int], dict[str, float]]:
   """seqio evaluation for the train loop, data read and cached once.
 
@@ -334,10 +342,12 @@ def training_evaluator(
     param_shardings: shardings of the training state's params.
     eval_dataset_cfg: the loop's eval data (the mixture's validation split); used
       unshuffled and unpacked unless `dataset_cfg` is given.
-    model_dir: MODEL_DIR; inferences go to MODEL_DIR/inference_eval/.
+    model_dir: MODEL_DIR; inferences go to MODEL_DIR/<log_subdir>/.
     dataset_cfg: gin override of the evaluated data.
     decode: decoding options (default `DecodeConfig()`, gin-configured).
     num_examples: at most this many examples per task (gin; None: whole split).
+    log_subdir: folder of MODEL_DIR for the inferences (the final evaluation's
+      differs from the periodic one's, so a step evaluated by both keeps both).
 
   Returns:
     fn(params, step) -> {"<task>/<metric>": value}.
@@ -358,7 +368,7 @@ def training_evaluator(
     runner,
     cfg,
     num_examples=num_examples,
-    log_dir=os.path.join(model_dir, "inference_eval"),
+    log_dir=os.path.join(model_dir, log_subdir),
     logger_cls=(PredictionsJsonlLogger,),
   )
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import os
 import signal
 import threading
@@ -47,11 +48,21 @@ from t5x_lite import distillation, models
 from t5x_lite.nn import flops, network
 from t5x_lite.data import pipeline
 from t5x_lite.checkpoint import checkpoints, partial_restore, train_checkpointer
-from t5x_lite.training import metrics_logging, optimizers, partitioning, throughput, trainer
+from t5x_lite.training import (
+  early_stopping,
+  metrics_logging,
+  optimizers,
+  partitioning,
+  throughput,
+  trainer,
+)
 from t5x_lite.run import eval_lib
-from t5x_lite.core.errors import UserError
+from t5x_lite.core.errors import ConfigError, UserError
 
 CONFIG_FILE = "config.gin"
+FINAL_METRICS_FILE = "final_metrics.json"
+# train_meta key: wall seconds the run had spent (all its attempts) at that save.
+ELAPSED_KEY = "elapsed_s"
 
 
 class NonFiniteLossError(UserError, RuntimeError):
@@ -95,6 +106,9 @@ class _Setup:
   rng: jax.Array
   model_config: network.T5Config
   partitioner: partitioning.Partitioner
+  # Wall time the run had spent when its restored checkpoint was saved (0 if fresh).
+  elapsed_s: float = 0.0
+  restored_step: int | None = None
 
 
 def _setup_state(
@@ -120,7 +134,9 @@ def _setup_state(
   init_rng, rng = jax.random.split(jax.random.PRNGKey(random_seed))
   abstract, shardings = trainer.abstract_train_state(model, optimizer, partitioner)
   restored = ckpt.restore_latest(abstract.params, abstract.opt_state, train_iter)
+  elapsed_s = 0.0
   if restored is not None:
+    elapsed_s = float(restored.meta.get(ELAPSED_KEY, 0.0))
     logging.info("Resuming from %s/%d", ckpt.directory, restored.step)
     step = jax.device_put(jnp.asarray(restored.step, jnp.int32), shardings.step)
     state = trainer.TrainState(step=step, params=restored.params, opt_state=restored.opt_state)
@@ -157,7 +173,8 @@ def _setup_state(
       logging.warning("train.restore_config is ignored: train.initial_checkpoint_path is not set")
   if isinstance(model, distillation.DistillationModel):  # restored anew on every start
     state = state.replace(teacher_params=model.restore_teacher(abstract.teacher_params))
-  return _Setup(state, shardings, rng, model.module.config, partitioner)
+  restored_step = None if restored is None else restored.step
+  return _Setup(state, shardings, rng, model.module.config, partitioner, elapsed_s, restored_step)
 
 
 def _fetch_and_check(
@@ -272,6 +289,25 @@ class _Loop:
     self.infer_eval: tuple[int, Any] | None = None
     self.last_saved = ckpt.latest_step()
     self.vocabulary = checkpoints.vocabulary_fingerprint(model.output_vocabulary)
+    self.tokens_per_step = tokens
+    self.started = time.time() - setup.elapsed_s  # the run's start, across resumes
+    self.early_stopping: early_stopping.EarlyStopping | None = None
+    self.model_dir = model_dir
+    self.stopped_early = False
+
+  def progress(self, step: int) -> dict[str, float]:
+    """Wall seconds since the run started (resumes included) and token slots trained on."""
+    return {
+      "elapsed_s": time.time() - self.started,
+      "tokens_seen": float(step * self.tokens_per_step),
+    }
+
+  def enable_early_stopping(self, stopping: early_stopping.EarlyStopping) -> None:
+    """Tracks `stopping.metric` at every evaluation, continuing MODEL_DIR/best.json."""
+    stopping.restore(self.model_dir, self.setup.restored_step)
+    self.ckpt.protect(stopping.best_step)
+    self.early_stopping = stopping
+    self.stopped_early = stopping.should_stop  # a restarted run that had stopped early
 
   def enable_eval(self, cfg: pipeline.DatasetConfig, period: int, steps: int) -> None:
     """Evaluates every `period` steps (and at the end) on `steps` batches of `cfg`."""
@@ -291,28 +327,53 @@ class _Loop:
       "data_batches_consumed": self.train_iter.batches_consumed,
       checkpoints.MODEL_CONFIG_KEY: dataclasses.asdict(self.setup.model_config),
       checkpoints.VOCABULARY_KEY: self.vocabulary,
+      ELAPSED_KEY: time.time() - self.started,
     }
     if self.ckpt.save(step, state.params, state.opt_state, meta, self.train_iter):
       self.last_saved = step
 
-  def _maybe_eval(self, state: trainer.TrainState, step: int) -> bool:
+  def _maybe_eval(self, state: trainer.TrainState, step: int) -> dict[str, float]:
     if self.eval is None:
-      return False
+      return {}
     cfg, period, steps, eval_step = self.eval
     if step % period and step != self.total_steps:
-      return False
+      return {}
     batches = pipeline.eval_batches(cfg, self.setup.partitioner.batch_sharding, steps)
-    self.logger.write("eval", step, evaluate(eval_step, state.params, batches))
-    return True
+    results = evaluate(eval_step, state.params, batches)
+    self.logger.write("eval", step, {**results, **self.progress(step)})
+    return results
 
-  def _maybe_infer_eval(self, state: trainer.TrainState, step: int) -> bool:
+  def _maybe_infer_eval(self, state: trainer.TrainState, step: int) -> dict[str, float]:
     if self.infer_eval is None:
-      return False
+      return {}
     period, evaluate_fn = self.infer_eval
     if step % period and step != self.total_steps:
-      return False
-    self.logger.write("eval", step, evaluate_fn(state.params, step))
-    return True
+      return {}
+    results = evaluate_fn(state.params, step)
+    self.logger.write("eval", step, {**results, **self.progress(step)})
+    return results
+
+  def _track_best(self, state: trainer.TrainState, step: int, results: dict[str, float]) -> None:
+    """Keeps the best step's checkpoint; decides whether to stop early."""
+    stopping = self.early_stopping
+    if stopping is None or not results:
+      return
+    if stopping.update(step, results):
+      if self.last_saved != step:
+        self._save(state, step)
+      self.ckpt.protect(step)
+      logging.info("New best %s = %.4g at step %d.", stopping.metric, stopping.best_value, step)
+    stopping.save(self.model_dir)
+    if stopping.should_stop:
+      self.stopped_early = True
+      logging.info(
+        "Stopping early at step %d: %s has not improved for %d evaluations (best %.4g at step %d).",
+        step,
+        stopping.metric,
+        stopping.patience,
+        stopping.best_value,
+        stopping.best_step,
+      )
 
   def run(self, stop: StopRequest) -> trainer.TrainState:
     """Trains from the state's step to `total_steps` or until `stop`."""
@@ -321,7 +382,7 @@ class _Loop:
     pending: list[tuple[int, Mapping[str, jax.Array]]] = []
     window: list[dict[str, float]] = []
     clock: tuple[int, float] | None = None
-    while step < self.total_steps and not stop:
+    while step < self.total_steps and not stop and not self.stopped_early:
       state, metrics = self.train_step(state, next(self.train_iter), self.setup.rng)
       step += 1
       pending.append((step, metrics))
@@ -338,13 +399,13 @@ class _Loop:
         scalars = _mean_metrics(window)
         if step > clock[0]:
           scalars.update(self.throughput.rates(step - clock[0], time.time() - clock[1]))
-        self.logger.write("train", step, scalars)
+        self.logger.write("train", step, {**scalars, **self.progress(step)})
         window, clock = [], (step, time.time())
       if save:
         self._save(state, step)
-      evaluated = self._maybe_eval(state, step)
-      evaluated = self._maybe_infer_eval(state, step) or evaluated
-      if evaluated or save:  # keep save/eval time out of rates
+      results = {**self._maybe_eval(state, step), **self._maybe_infer_eval(state, step)}
+      self._track_best(state, step, results)
+      if results or save:  # keep save/eval time out of rates
         clock = (step, time.time())
     if pending:
       _fetch_and_check(pending, self.last_saved)
@@ -400,6 +461,9 @@ def train(
   trainable_parameters: Sequence[str] | None = None,
   gradual_unfreezing_steps: int | None = None,
   data_checkpoint_mode: str = "iterator",
+  early_stopping: early_stopping.EarlyStopping | None = None,
+  final_eval_dataset_cfg: pipeline.DatasetConfig | None = None,
+  final_eval_decode: Any = None,
   stop: StopRequest | None = None,
 ) -> trainer.TrainState:
   """Trains until `total_steps`, resuming from MODEL_DIR when it has a checkpoint.
@@ -436,11 +500,25 @@ def train(
       top, every this many steps (`optimizers.Optimizer.with_gradual_unfreezing`);
       None: off.
     data_checkpoint_mode: 'iterator' or 'skip' (see `t5x_lite.data.pipeline`).
+    early_stopping: stop when a metric of the periodic evaluations stops
+      improving, keeping the best step's checkpoint (`t5x_lite.training.early_stopping`);
+      None trains to `total_steps`.
+    final_eval_dataset_cfg: once training ends (not when stopped by a signal),
+      seqio evaluation of this data (e.g. the test split) with the best step's
+      params (the last step's without `early_stopping`), logged as split 'final'
+      in metrics.jsonl and written to MODEL_DIR/final_metrics.json; None: none.
+    final_eval_decode: decoding of the final evaluation (a
+      `model_runner.DecodeConfig`, e.g. beam search); default: `DecodeConfig()`.
     stop: stop flag (tests); default: SIGTERM/SIGINT handlers.
 
   Returns:
     The final TrainState.
   """
+  if early_stopping is not None and infer_eval_period <= 0 and eval_period <= 0:
+    raise ConfigError(
+      "train.early_stopping needs periodic evaluations: set train.infer_eval_period (task "
+      "metrics) or train.eval_period (loss)."
+    )
   model = model or models.build_model()
   train_dataset_cfg = pipeline.for_model(train_dataset_cfg, model.module.config)
   if eval_dataset_cfg is not None:
@@ -496,7 +574,46 @@ def train(
         ),
       )
     write_operative_config(model_dir)
+    if early_stopping is not None:
+      loop.enable_early_stopping(early_stopping)
     del train_iter  # `loop` holds the only reference, which `release_input` hands off
     stack.callback(loop.release_input)
     stack.callback(loop.logger.close)
-    return loop.run(stop)
+    state = loop.run(stop)
+    if final_eval_dataset_cfg is not None and not stop:
+      _final_evaluation(loop, state, final_eval_dataset_cfg, final_eval_decode)
+    return state
+
+
+def _final_evaluation(
+  loop: _Loop, state: trainer.TrainState, dataset_cfg: pipeline.DatasetConfig, decode: Any
+) -> dict[str, float]:
+  """Evaluates the best step (else the last) on `dataset_cfg`; logs split 'final'."""
+  step = int(jax.device_get(state.step))
+  best = loop.early_stopping.best_step if loop.early_stopping is not None else None
+  params = state.params
+  if best is not None and best != step:
+    target = jax.tree.map(
+      lambda x, sharding: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
+      state.params,
+      loop.setup.shardings.params,
+    )
+    params = checkpoints.restore_params(loop.ckpt.directory, target, step=best)
+    step = best
+  evaluate_fn = eval_lib.training_evaluator(
+    loop.model,
+    loop.setup.partitioner,
+    loop.setup.shardings.params,
+    None,
+    loop.model_dir,
+    dataset_cfg=pipeline.for_model(dataset_cfg, loop.setup.model_config),
+    decode=decode,
+    log_subdir="final_eval",
+  )
+  results = evaluate_fn(params, step)
+  loop.logger.write("final", step, results)
+  if jax.process_index() == 0:
+    record = {"step": step, "split": dataset_cfg.split, **results}
+    with open(os.path.join(loop.model_dir, FINAL_METRICS_FILE), "w", encoding="utf-8") as f:
+      json.dump(record, f, indent=1)
+  return results

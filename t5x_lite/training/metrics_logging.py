@@ -4,8 +4,11 @@ Only process 0 writes files; every process logs its console line. Layout:
 
   MODEL_DIR/train/events.*     TensorBoard scalars of training steps (clu)
   MODEL_DIR/eval/events.*      TensorBoard scalars of periodic evaluation
+  MODEL_DIR/final/events.*     the final evaluation (of the best step, e.g. on test)
   MODEL_DIR/metrics.jsonl      one JSON object per written step:
                                {"step": 20, "split": "train", "time": <unix s>,
+                                "elapsed_s": <s since the run began>,
+                                "tokens_seen": <token slots trained on>,
                                 "loss": ..., "accuracy": ..., ...}
 
 Values are floats; `tools/plot_metrics.py MODEL_DIR` plots the JSONL file.
@@ -24,7 +27,8 @@ from absl import logging
 from clu import metric_writers
 
 METRICS_FILE = "metrics.jsonl"
-SPLITS = ("train", "eval")
+# 'final': the end-of-training evaluation of the best step (train.final_eval_dataset_cfg).
+SPLITS = ("train", "eval", "final")
 
 
 def format_duration(seconds: float) -> str:
@@ -77,14 +81,9 @@ class MetricsLogger:
     self._writers: dict[str, metric_writers.MetricWriter] = {}
     self._jsonl = None
     self._start: tuple[int, float] | None = None
+    self._model_dir = model_dir
     if self._primary:
       os.makedirs(model_dir, exist_ok=True)
-      self._writers = {
-        split: metric_writers.AsyncMultiWriter(
-          [metric_writers.SummaryWriter(os.path.join(model_dir, split))]
-        )
-        for split in SPLITS
-      }
       self._jsonl = open(os.path.join(model_dir, METRICS_FILE), "a", encoding="utf-8")
 
   def start_clock(self, step: int) -> None:
@@ -116,6 +115,10 @@ class MetricsLogger:
     )
     if not self._primary:
       return
+    if split not in self._writers:  # opened on first use: most runs write no 'final'
+      self._writers[split] = metric_writers.AsyncMultiWriter(
+        [metric_writers.SummaryWriter(os.path.join(self._model_dir, split))]
+      )
     self._writers[split].write_scalars(step, scalars)
     record = {"step": step, "split": split, "time": time.time()}
     record.update({k: (v if math.isfinite(v) else str(v)) for k, v in scalars.items()})
