@@ -513,6 +513,89 @@ class TrainIterator:
     self.batches_consumed = consumed
 
 
+_LOGGED_STEPS: set[tuple] = set()
+
+
+@functools.lru_cache(maxsize=None)
+def _rows_per_pass(
+  name: str, lengths: tuple[tuple[str, int], ...], split: str, pack: bool, architecture: str
+) -> int:
+  """Rows (packed if `pack`) that one pass over `split` of task/mixture `name` fills."""
+  config = DatasetConfig(
+    name, dict(lengths), 1, split=split, shuffle=False, pack=pack, architecture=architecture
+  )
+  with naming_failing_task(name, split, config.task_feature_lengths, config.seed):
+    dataset = seqio.get_dataset(
+      name,
+      task_feature_lengths=config.task_feature_lengths,
+      feature_converter=feature_converter(config),
+      dataset_split=split,
+      shuffle=False,
+      num_epochs=1,
+      seed=config.seed,
+    )
+  return int(dataset.reduce(np.int64(0), lambda count, _: count + 1).numpy())
+
+
+@gin.configurable
+def steps_for_epochs(
+  epochs: float = gin.REQUIRED,
+  *,
+  mixture_or_task_name: str = gin.REQUIRED,
+  task_feature_lengths: Mapping[str, int] = gin.REQUIRED,
+  batch_size: int = gin.REQUIRED,
+  split: str = "train",
+  pack: bool = True,
+  architecture: str = "encoder_decoder",
+) -> int:
+  """Steps of `batch_size` rows that pass over `split` about `epochs` times.
+
+  Counts the rows one pass fills (packed as training packs them; counted once per
+  process and data, then cached), so a recipe can say how long to train in epochs:
+  `TRAIN_STEPS = @train_length/steps_for_epochs()` with
+  `train_length/steps_for_epochs.epochs = 10` (gin/recipes/new_task.gin).
+
+  Args:
+    epochs: passes over the split (fractions allowed).
+    mixture_or_task_name: the task or mixture (a mixture counts its tasks' rows).
+    task_feature_lengths: the training lengths.
+    batch_size: the global batch size (rows per step).
+    split: the split passed over.
+    pack: count packed rows (as training packs them).
+    architecture: the model's `T5Config.architecture` (its feature converter).
+
+  Returns:
+    max(1, round(epochs * rows / batch_size)).
+
+  Raises:
+    ConfigError: for a non-positive `epochs` or `batch_size`, or an unknown task.
+  """
+  if epochs <= 0 or batch_size <= 0:
+    raise ConfigError(
+      f"steps_for_epochs needs epochs > 0 and batch_size > 0, got {epochs} and {batch_size}."
+    )
+  get_mixture_or_task(mixture_or_task_name)  # an unknown name: the closest registered ones
+  rows = _rows_per_pass(
+    mixture_or_task_name, tuple(sorted(task_feature_lengths.items())), split, pack, architecture
+  )
+  steps = max(1, round(epochs * rows / batch_size))
+  key = (mixture_or_task_name, split, epochs, rows, batch_size)
+  if key in _LOGGED_STEPS:  # gin resolves a macro at each use: say it once
+    return steps
+  _LOGGED_STEPS.add(key)
+  logging.info(
+    "%g epochs of %s (%s): %d rows of %s per pass, %d steps of %d rows.",
+    epochs,
+    mixture_or_task_name,
+    split,
+    rows,
+    dict(task_feature_lengths),
+    steps,
+    batch_size,
+  )
+  return steps
+
+
 def train_iterator(
   config: DatasetConfig, sharding: Sharding, checkpoint_mode: str = "iterator"
 ) -> TrainIterator:
