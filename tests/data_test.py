@@ -264,7 +264,7 @@ def test_data_benchmark_times_the_training_pipeline(monkeypatch):
 
 
 def test_steps_for_epochs_counts_rows_of_one_pass():
-  unpacked = data.steps_for_epochs(
+  unpacked = pipeline.steps_for_epochs(
     2,
     mixture_or_task_name=TASK,
     task_feature_lengths={"inputs": 64, "targets": 64},
@@ -273,15 +273,15 @@ def test_steps_for_epochs_counts_rows_of_one_pass():
   )
   assert unpacked == 2 * NUM_TRAIN // 8  # one row per example without packing
   # Examples of about 20-30 bytes: two or more share a packed 64-token row.
-  packed = data.steps_for_epochs(
+  packed = pipeline.steps_for_epochs(
     2, mixture_or_task_name=TASK, task_feature_lengths={"inputs": 64, "targets": 64}, batch_size=8
   )
   assert packed < unpacked / 1.5
-  rows = data._rows_per_pass(
+  rows = pipeline._rows_per_pass(
     TASK, (("inputs", 64), ("targets", 64)), "train", True, "encoder_decoder"
   )
   assert packed == round(2 * rows / 8)
-  half = data.steps_for_epochs(
+  half = pipeline.steps_for_epochs(
     0.5, mixture_or_task_name=TASK, task_feature_lengths={"inputs": 64, "targets": 64}, batch_size=8
   )
   assert half == max(1, round(0.5 * rows / 8))
@@ -290,8 +290,10 @@ def test_steps_for_epochs_counts_rows_of_one_pass():
 def test_steps_for_epochs_rejects_bad_numbers_and_names():
   lengths = {"inputs": 64, "targets": 64}
   with pytest.raises(ConfigError, match="epochs > 0 and batch_size > 0"):
-    data.steps_for_epochs(0, mixture_or_task_name=TASK, task_feature_lengths=lengths, batch_size=8)
+    pipeline.steps_for_epochs(
+      0, mixture_or_task_name=TASK, task_feature_lengths=lengths, batch_size=8
+    )
   with pytest.raises(ConfigError, match="closest"):
-    data.steps_for_epochs(
+    pipeline.steps_for_epochs(
       1, mixture_or_task_name="data_test_byts", task_feature_lengths=lengths, batch_size=8
     )

@@ -24,7 +24,7 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
-from t5x_lite import errors
+from t5x_lite.core import errors
 
 
 def _read_json(path: str) -> dict[str, Any]:
