@@ -101,6 +101,18 @@ def test_relative_paths_and_bad_inputs(tmp_path, monkeypatch, capsys):
     assert exit_.value.code == 1 and capsys.readouterr().err == message + "\n"
 
 
+def test_fastest_activation_dtype_is_bfloat16_only_where_native():
+  assert throughput.fastest_activation_dtype("gpu") == "bfloat16"
+  assert throughput.fastest_activation_dtype("tpu") == "bfloat16"
+  avx512_bf16 = frozenset({"avx2", "avx512f", "avx512_bf16"})
+  amx = frozenset({"avx512f", "amx_bf16", "amx_tile"})
+  avx2_only = frozenset({"avx2", "fma"})
+  assert throughput.fastest_activation_dtype("cpu", avx512_bf16) == "bfloat16"
+  assert throughput.fastest_activation_dtype("cpu", amx) == "bfloat16"
+  assert throughput.fastest_activation_dtype("cpu", avx2_only) == "float32"
+  assert throughput.fastest_activation_dtype("cpu", frozenset()) == "float32"
+
+
 def test_peak_table_and_rates():
   assert throughput.table_peak_flops("TPU v5 lite") == 197e12
   assert throughput.table_peak_flops("TPU v5") == 459e12

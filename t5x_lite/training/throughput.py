@@ -40,6 +40,48 @@ PEAK_BF16_FLOPS: dict[str, float] = {
 }
 
 
+# CPU flags (Linux /proc/cpuinfo) of native bfloat16 matmul instructions.
+NATIVE_BF16_CPU_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
+
+
+def cpu_flags() -> frozenset[str]:
+  """The first processor's flags from /proc/cpuinfo (empty where there is none)."""
+  try:
+    with open("/proc/cpuinfo", encoding="utf-8") as f:
+      for line in f:
+        if line.startswith("flags"):
+          return frozenset(line.split(":", 1)[1].split())
+  except OSError:
+    pass
+  return frozenset()
+
+
+@gin.configurable
+def fastest_activation_dtype(
+  backend: str | None = None, flags: frozenset[str] | None = None
+) -> str:
+  """'bfloat16' where bfloat16 matmuls run natively, else 'float32'.
+
+  Accelerators (TPU, GPU) and CPUs with AVX512-BF16 or AMX-BF16 multiply bfloat16
+  natively; elsewhere XLA:CPU emulates it, slower than float32. The recipes set
+  `T5Config.dtype = @fastest_activation_dtype()`: on a CPU with AVX512-BF16 their
+  runs reached the same loss and metric at each step as float32, sooner
+  (docs/recipes.md). Parameters and the optimizer stay float32 either way.
+
+  Args:
+    backend: the JAX backend (default `jax.default_backend()`).
+    flags: the CPU's flags (default `cpu_flags()`).
+
+  Returns:
+    A `T5Config.dtype` name.
+  """
+  backend = backend or jax.default_backend()
+  native = backend != "cpu" or bool(
+    (cpu_flags() if flags is None else flags) & NATIVE_BF16_CPU_FLAGS
+  )
+  return "bfloat16" if native else "float32"
+
+
 def table_peak_flops(device_kind: str) -> float | None:
   """Peak bf16 FLOP/s for a `jax.Device.device_kind`, or None if not listed."""
   matches = [k for k in PEAK_BF16_FLOPS if k.lower() in device_kind.lower()]
