@@ -113,6 +113,14 @@ def test_fastest_activation_dtype_is_bfloat16_only_where_native():
   assert throughput.fastest_activation_dtype("cpu", frozenset()) == "float32"
 
 
+def test_cpu_peak_is_measured_in_the_model_dtype():
+  # A bfloat16 model is measured against the bfloat16 matmul (MFU under 100% where
+  # the CPU multiplies bfloat16 faster than float32).
+  peak, source = throughput.device_peak_flops(dtype="bfloat16")
+  assert peak > 0 and source.startswith("bfloat16 matmul measured on")
+  assert throughput.device_peak_flops()[1].startswith("float32 matmul measured on")
+
+
 def test_peak_table_and_rates():
   assert throughput.table_peak_flops("TPU v5 lite") == 197e12
   assert throughput.table_peak_flops("TPU v5") == 459e12

@@ -55,9 +55,14 @@ SKIPPED = (
   ),
   ("pip install", "the package and its extras are installed already"),
   (
-    "Pre-training transfers",
-    "reads the real ../shared/data text (an 8000-piece vocabulary, an hour of training); "
-    "tests/transfer_recipe_test.py runs the same commands on tiny files with a tiny model",
+    "recipes/",
+    "trains the recipes on the real ../shared/data (an hour each); "
+    "tests/recipes_test.py runs the same commands on tiny files with a tiny model",
+  ),
+  (
+    "my_task.gin",
+    "the general recipe starts from the recipes' pre-trained checkpoint; "
+    "tests/recipes_test.py runs it on a tiny task",
   ),
   ("Run on a TPU pod or GPU cluster", "needs a TPU slice or a GPU cluster"),
   (

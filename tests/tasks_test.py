@@ -14,6 +14,7 @@ import pytest  # noqa: E402
 import seqio  # noqa: E402
 import tensorflow_datasets as tfds  # noqa: E402
 
+import nltk_fixtures  # noqa: E402
 import tasks  # noqa: E402,F401
 from t5x_lite.data import cpython_corpus, file_sources, objectives, task_metrics  # noqa: E402
 
@@ -61,6 +62,7 @@ def _write_fixture_data(root) -> None:
   d.mkdir()
   for split in ("valid", "test"):
     (d / f"{split}.txt").write_text("\n = Title = \n\n" + "\n".join(sentences * 5))
+  nltk_fixtures.write_nltk(root)
 
 
 @pytest.fixture(name="data_dir")

@@ -274,7 +274,7 @@ class _Loop:
     # A decoder-only model's inputs are inside its decoder_target_tokens.
     inputs, targets = lengths.get("encoder_input_tokens", 0), lengths["decoder_target_tokens"]
     tokens = dataset_cfg.batch_size * (inputs + targets)
-    peak, source = throughput.device_peak_flops()
+    peak, source = throughput.device_peak_flops(dtype=model.module.config.dtype)
     logging.info("Peak FLOP/s per device for MFU: %.3g (%s)", peak, source)
     self.throughput = throughput.Throughput(
       rows_per_step=dataset_cfg.batch_size,

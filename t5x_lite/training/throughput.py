@@ -8,11 +8,13 @@ the network's matmuls, no rematerialisation); the peak comes from, in order:
 2. `PEAK_BF16_FLOPS` for TPUs and NVIDIA GPUs: dense bf16 matmul peaks from
   the vendors' spec sheets (per chip / per GPU, no sparsity). MFU against the
   bf16 peak is the usual convention even for float32 runs;
-3. on CPU (or an unknown device): a float32 matmul measured at startup on
-  the first device (`measure_matmul_flops`, the same measurement as
-  tools/benchmark.py's), i.e. what XLA's CPU backend actually reaches on
-  this machine. With several (fake) CPU devices on one host they share
-  those cores, so per-device MFU there is an upper bound.
+3. on CPU (or an unknown device): a matmul in the model's activation dtype
+  measured at startup on the first device (`measure_matmul_flops`, the same
+  measurement as tools/benchmark.py's), i.e. what XLA's CPU backend actually
+  reaches on this machine: a bfloat16 model on a CPU with native bfloat16 is
+  measured against the bfloat16 matmul, not the slower float32 one. With
+  several (fake) CPU devices on one host they share those cores, so per-device
+  MFU there is an upper bound.
 """
 
 from __future__ import annotations
@@ -125,11 +127,14 @@ def measure_matmul_flops(
 
 
 @gin.configurable
-def device_peak_flops(override: float | None = None) -> tuple[float, str]:
+def device_peak_flops(
+  override: float | None = None, dtype: str | jnp.dtype = "float32"
+) -> tuple[float, str]:
   """Peak FLOP/s of one device of this process and where the number comes from.
 
   Args:
     override: a value to use instead of the table / measurement.
+    dtype: the model's activation dtype: the dtype of the measured matmul.
 
   Returns:
     (peak FLOP/s, source description for the logs).
@@ -140,7 +145,8 @@ def device_peak_flops(override: float | None = None) -> tuple[float, str]:
   peak = table_peak_flops(kind)
   if peak is not None:
     return peak, f"bf16 spec-sheet peak of {kind}"
-  return measure_matmul_flops(), f"float32 matmul measured on {kind}"
+  name = jnp.dtype(dtype).name
+  return measure_matmul_flops(dtype=jnp.dtype(dtype)), f"{name} matmul measured on {kind}"
 
 
 @dataclasses.dataclass(frozen=True)

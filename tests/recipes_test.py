@@ -1,0 +1,287 @@
+"""The recipes: their pre-training corpus and vocabulary, and their gin files run as documented.
+
+docs/recipes.md pre-trains with gin/recipes/pretrain.gin, then trains each task with
+gin/recipes/<task>.gin (from the pre-trained checkpoint, or from scratch with
+`--gin.INITIAL_CHECKPOINT_PATH=None`), and a task of one's own with
+gin/recipes/new_task.gin, from the repository root with relative paths. The subprocess
+tests run those commands verbatim (the page is checked to hold them) from a working
+directory beside tiny data files laid out like ../shared/data, with a tiny model, a
+tiny vocabulary and a few steps appended: the documented way to try a command quickly.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import nltk_fixtures
+import pytest
+import sentencepiece as spm
+from xla_flags import xla_flags
+
+from t5x_lite import models
+from t5x_lite.checkpoint import checkpoints
+from t5x_lite.data import file_sources, unlabeled_text
+from t5x_lite.nn import network
+from t5x_lite.training import partitioning
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _write_corpus(data_dir: Path) -> None:
+  """Every file of `unlabeled_text.LOCAL_DATA_READERS`, and the tasks' files, tiny."""
+  for sub in ("wikitext2", "tinyshakespeare", "multi30k_en_de", "scitldr_a", "glue/SST-2"):
+    (data_dir / sub).mkdir(parents=True, exist_ok=True)
+  (data_dir / "glue/RTE").mkdir(parents=True, exist_ok=True)
+  for split in ("valid", "test"):
+    lines = [" = Heading of wikitext = ", ""]
+    lines += [
+      f"{s} more wiki words follow here ." for s in nltk_fixtures.sentences(f"wiki{split}", 30)
+    ]
+    (data_dir / f"wikitext2/{split}.txt").write_text("\n".join(lines) + "\n")
+  speeches = nltk_fixtures.sentences("shakespeare", 40)
+  blocks = ["FIRST:\n" + a + "\n" + b for a, b in zip(speeches[::2], speeches[1::2])]
+  (data_dir / "tinyshakespeare/input.txt").write_text("\n\n".join(blocks) + "\n")
+  for split, n in (("train", 30), ("val", 5), ("test_2016_flickr", 5)):
+    with gzip.open(data_dir / f"multi30k_en_de/{split}.en.gz", "wt") as f:
+      f.write("\n".join(nltk_fixtures.sentences("caption", n)) + "\n")
+    with gzip.open(data_dir / f"multi30k_en_de/{split}.de.gz", "wt") as f:
+      f.write("\n".join(f"deutsch satz {i} ." for i in range(n)) + "\n")
+  for split, n in (("train", 20), ("dev", 5), ("test", 5)):
+    with open(data_dir / f"scitldr_a/{split}.jsonl", "w") as f:
+      for i, s in enumerate(nltk_fixtures.sentences("abstract", n)):
+        f.write(json.dumps({"source": [s, "we study it ."], "target": [f"tldr summary {i}"]}))
+        f.write("\n")
+  sst2 = [f"{s}\t{i % 2}" for i, s in enumerate(nltk_fixtures.sentences("review", 40))]
+  for name in ("train.tsv", "dev.tsv"):
+    (data_dir / f"glue/SST-2/{name}").write_text("sentence\tlabel\n" + "\n".join(sst2) + "\n")
+  rte = [
+    f"{i}\t{a}\t{b}\tentailment"
+    for i, (a, b) in enumerate(
+      zip(nltk_fixtures.sentences("premise", 20), nltk_fixtures.sentences("hypothesis", 20))
+    )
+  ]
+  for name in ("train.tsv", "dev.tsv"):
+    (data_dir / f"glue/RTE/{name}").write_text(
+      "index\tsentence1\tsentence2\tlabel\n" + "\n".join(rte) + "\n"
+    )
+  nltk_fixtures.write_nltk(data_dir)
+
+
+def test_corpus_holds_input_side_text_only_in_disjoint_splits(tmp_path):
+  _write_corpus(tmp_path)
+  source = unlabeled_text.UnlabeledTextSource(include_cpython_prose=False, data_dir=str(tmp_path))
+  train, validation = (source.records(split)["text"] for split in ("train", "validation"))
+  assert train and validation and not set(train) & set(validation)
+  documents = train + validation
+  assert len(documents) == len(set(documents))
+  text = "\n".join(documents)
+  for tag in ("wikivalid", "wikitest", "caption", "abstract", "review", "premise", "hypothesis"):
+    assert sum(d.startswith(tag) for d in documents) >= 20, tag
+  # Shakespeare: one document per speech, its lines joined.
+  assert sum(d.startswith("FIRST: shakespeare") for d in documents) == 20
+  # Labels, targets, headings, the German side and the archives' READMEs stay out.
+  for absent in ("deutsch", "tldr", "entailment", "Heading", "\t", "not text"):
+    assert absent not in text, absent
+  assert not any(d in ("0", "1") for d in documents)
+  # The split of a document is a function of its text alone.
+  again = unlabeled_text.UnlabeledTextSource(include_cpython_prose=False, data_dir=str(tmp_path))
+  assert again.records("validation")["text"] == validation
+
+
+def test_nltk_archives_become_plain_documents(tmp_path):
+  _write_corpus(tmp_path)
+  source = unlabeled_text.UnlabeledTextSource(include_cpython_prose=False, data_dir=str(tmp_path))
+  documents = source.records("train")["text"] + source.records("validation")["text"]
+  # Brown: one document per sample, the POS tags dropped and its quote marks restored.
+  [sample] = [d for d in documents if d.startswith("brown river")]
+  assert "/nn" not in sample and sample.endswith('" quoted "')
+  assert sum(d.startswith("brown") for d in documents) == 2
+  # A review or a speech is one document; news and web text one per line.
+  assert sum(d.startswith("moviereview") for d in documents) == 8
+  assert all("it was fine ." in d for d in documents if d.startswith("moviereview"))
+  assert sum(d.startswith("stateunion") for d in documents) == 6
+  assert sum(d.startswith("inaugural") for d in documents) == 6
+  assert sum(d.startswith("abcline") for d in documents) == 12
+  assert sum(d.startswith("webtextline") for d in documents) == 12
+
+
+def test_missing_corpus_file_is_named(tmp_path):
+  _write_corpus(tmp_path)
+  os.remove(tmp_path / "nltk/abc.zip")
+  source = unlabeled_text.UnlabeledTextSource(data_dir=str(tmp_path))
+  with pytest.raises(file_sources.DataFileError, match=r"nltk/abc\.zip"):
+    source.records("train")
+
+
+def test_a_damaged_archive_is_named(tmp_path):
+  _write_corpus(tmp_path)
+  (tmp_path / "nltk/webtext.zip").write_bytes(b"not a zip")
+  source = unlabeled_text.UnlabeledTextSource(include_cpython_prose=False, data_dir=str(tmp_path))
+  with pytest.raises(file_sources.DataFileError, match=r"webtext\.zip: not a readable zip"):
+    source.records("train")
+
+
+def test_vocabulary_is_trained_once_and_again_when_the_data_changes(tmp_path):
+  _write_corpus(tmp_path / "data")
+  kwargs = dict(vocab_size=150, data_dir=str(tmp_path / "data"), directory=str(tmp_path / "cache"))
+  path = unlabeled_text.corpus_vocabulary_path(**kwargs)
+  assert os.path.isfile(path)
+  stamp = os.stat(path).st_mtime_ns
+  assert unlabeled_text.corpus_vocabulary_path(**kwargs) == path  # cached: not retrained
+  assert os.stat(path).st_mtime_ns == stamp
+
+  # German pieces come from the extra file: seen often enough, a German word takes fewer.
+  def pieces(**settings) -> int:
+    model_file = unlabeled_text.corpus_vocabulary_path(**{**kwargs, "vocab_size": 300, **settings})
+    return len(spm.SentencePieceProcessor(model_file=model_file).encode("deutsch satz"))
+
+  assert pieces(extra_repeats=20) < pieces(extra_files=())
+  with gzip.open(tmp_path / "data/multi30k_en_de/train.de.gz", "at") as f:
+    f.write("noch ein satz .\n")
+  assert unlabeled_text.corpus_vocabulary_path(**kwargs) != path
+
+
+def test_long_documents_are_cut_into_pieces_sentencepiece_keeps():
+  document = " ".join(["word"] * 3000)  # 14,999 characters: over SentencePiece's limit
+  pieces = list(unlabeled_text._pieces_of(document))
+  assert all(len(p) <= 1000 for p in pieces) and " ".join(pieces) == document
+
+
+# The commands of docs/recipes.md, verbatim (the test checks they are there), run in order.
+PRETRAIN_COMMAND = (
+  "python -m t5x_lite.train --gin_file=recipes/pretrain.gin --data_dir=../shared/data"
+)
+SST2_COMMAND = "python -m t5x_lite.train --gin_file=recipes/sst2.gin --data_dir=../shared/data"
+SCRATCH = " --gin.INITIAL_CHECKPOINT_PATH=None --gin.MODEL_DIR=./runs/recipes/multi30k_scratch"
+MULTI30K_SCRATCH_COMMAND = (
+  "python -m t5x_lite.train --gin_file=recipes/multi30k.gin --data_dir=../shared/data" + SCRATCH
+)
+NEW_TASK_COMMAND = "python -m t5x_lite.train --gin_file=my_task.gin --data_dir=my_data"
+# A run of two steps warms up over one.
+_FEW_STEPS = " --gin.TRAIN_STEPS=2 --gin.WARMUP_STEPS=1"
+# A vocabulary the tiny files can fill, and a tiny model (the same for every run).
+_TINY = (
+  " --gin.corpus_vocabulary_path.vocab_size=150 --gin.T5Config.vocab_size=256"
+  " --gin.T5Config.emb_dim=32 --gin.T5Config.num_heads=2 --gin.T5Config.head_dim=8"
+  " --gin.T5Config.mlp_dim=64 --gin.T5Config.num_encoder_layers=1"
+  " --gin.T5Config.num_decoder_layers=1 --gin.BATCH_SIZE=4 --gin.EVAL_STEPS=1"
+)
+_MY_TASK_GIN = """import my_tasks
+include 'recipes/new_task.gin'
+MODEL_DIR = './runs/my_task'
+MIXTURE_OR_TASK_NAME = 'my_task'
+TASK_FEATURE_LENGTHS = {'inputs': 64, 'targets': 8}
+METRIC = 'my_task/accuracy'
+"""
+_MY_TASKS_PY = """import functools
+import seqio
+from t5x_lite.data import file_sources, preprocessors, task_metrics
+
+LABELS = {"0": "negative", "1": "positive"}
+seqio.TaskRegistry.add(
+  "my_task",
+  source=file_sources.TsvSource({"train": "train.tsv", "validation": "dev.tsv"}),
+  preprocessors=preprocessors.supervised_preprocessors(
+    functools.partial(
+      preprocessors.text_to_text,
+      prefix="sentiment",
+      feature_names=("sentence",),
+      label_names=LABELS,
+    )
+  ),
+  output_features=preprocessors.text_to_text_features(),
+  postprocess_fn=functools.partial(
+    task_metrics.string_label_to_class_id, label_classes=list(LABELS.values())
+  ),
+  metric_fns=[task_metrics.accuracy],
+)
+"""
+
+
+def _run(command: str, cwd: Path, cache: Path) -> str:
+  """`command` through bash in `cwd`, this interpreter first on PATH (an activated venv)."""
+  env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+  env["XLA_FLAGS"] = xla_flags()  # one CPU device, as a user's run
+  env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
+  env["T5X_LITE_CACHE"] = str(cache)
+  result = subprocess.run(
+    ["bash", "-c", command], cwd=cwd, env=env, capture_output=True, text=True, timeout=900
+  )
+  output = result.stdout + result.stderr
+  assert result.returncode == 0 and "Traceback" not in output, f"{command}\n{output[-4000:]}"
+  return output
+
+
+def _params(model_dir: Path, step: int | None = None):
+  ((_, step_dir),) = checkpoints.find_steps(model_dir, step="newest" if step is None else step)
+  model = models.EncoderDecoderModel(
+    network.Transformer(checkpoints.model_config(step_dir)), None, None
+  )
+  partitioner = partitioning.Partitioner(devices=jax.devices()[:1])
+  return checkpoints.restore_params(step_dir, partitioner.abstract_params(model.init_params)[0])
+
+
+def _records(path: Path) -> list[dict]:
+  return [json.loads(line) for line in open(path)]
+
+
+def test_docs_give_the_commands_this_test_runs():
+  page = " ".join((REPO / "docs/recipes.md").read_text().replace("\\\n", " ").split())
+  for command in (PRETRAIN_COMMAND, SST2_COMMAND, MULTI30K_SCRATCH_COMMAND, NEW_TASK_COMMAND):
+    assert command in page, command
+  assert _MY_TASK_GIN.strip() in (REPO / "docs/recipes.md").read_text()
+
+
+@pytest.mark.slow
+def test_recipes_pretrain_then_train_each_kind_of_task(tmp_path):
+  _write_corpus(tmp_path / "shared" / "data")
+  work = tmp_path / "t5x_lite"
+  (work / "runs").mkdir(parents=True)  # what the quickstart leaves
+  cache = tmp_path / "cache"
+  _run(PRETRAIN_COMMAND + _TINY + _FEW_STEPS, work, cache)
+  # The vocabulary was trained on first use, into the cache.
+  assert [p.name for p in cache.glob("corpus_spm_150_*.model")]
+  # Learning rate 0: the fine-tuned parameters must be the pre-trained ones, bit for bit;
+  # the validation metric is computed at every evaluation and the best step kept.
+  output = _run(
+    SST2_COMMAND + _TINY + _FEW_STEPS + " --gin.EVAL_PERIOD=1 --gin.LEARNING_RATE=0.0",
+    work,
+    cache,
+  )
+  assert "Fine-tuning from ./runs/recipes/pretrained (params)" in output
+  pretrained = _params(work / "runs/recipes/pretrained")
+  jax.tree.map(np.testing.assert_array_equal, _params(work / "runs/recipes/sst2"), pretrained)
+  evals = [r for r in _records(work / "runs/recipes/sst2/metrics.jsonl") if r["split"] == "eval"]
+  assert [r["step"] for r in evals if "local_glue_sst2/accuracy" in r] == [1, 2]
+  assert all("elapsed_s" in r and "tokens_seen" in r for r in evals)
+  best = json.loads((work / "runs/recipes/sst2/best.json").read_text())
+  assert best["metric"] == "local_glue_sst2/accuracy" and best["best_step"] in (1, 2)
+  # From scratch: the test split is translated with beam search at the end.
+  _run(MULTI30K_SCRATCH_COMMAND + _TINY + _FEW_STEPS + " --gin.EVAL_PERIOD=2", work, cache)
+  final = json.loads((work / "runs/recipes/multi30k_scratch/final_metrics.json").read_text())
+  assert final["split"] == "test" and "local_multi30k_ende/bleu" in final
+  # A task of one's own: its length in epochs is counted from its data.
+  my_data = work / "my_data"
+  my_data.mkdir()
+  rows = [f"{s}\t{i % 2}" for i, s in enumerate(nltk_fixtures.sentences("mine", 24))]
+  for name in ("train.tsv", "dev.tsv"):
+    (my_data / name).write_text("sentence\tlabel\n" + "\n".join(rows) + "\n")
+  (work / "my_task.gin").write_text(_MY_TASK_GIN)
+  (work / "my_tasks.py").write_text(_MY_TASKS_PY)
+  output = _run(NEW_TASK_COMMAND + _TINY + " --gin.EPOCHS=2", work, cache)
+  counted = re.search(
+    r"2 epochs of my_task \(train\): (\d+) rows of .* per pass, (\d+) steps", output
+  )
+  assert counted, output[-3000:]
+  rows, steps = map(int, counted.groups())
+  assert steps == max(1, round(2 * rows / 4))  # two passes in batches of 4 rows
+  trained = max(r["step"] for r in _records(work / "runs/my_task/metrics.jsonl"))
+  assert trained == steps
