@@ -180,6 +180,14 @@ def test_eval_batches_fixed_count_unshuffled_zero_padded(sharding):
   assert first_input.startswith("validation example 0 ")
 
 
+def test_training_data_without_examples_is_one_line(sharding):
+  empty = data.TrainIterator(
+    lambda: tf.data.Dataset.range(0).map(lambda i: {"x": i}).repeat(), sharding, name="Task t"
+  )
+  with pytest.raises(ConfigError, match="^Task t holds no examples: there is nothing to train on"):
+    next(empty)
+
+
 def test_batch_size_must_divide_over_processes(monkeypatch):
   monkeypatch.setattr(jax, "process_count", lambda: 3)
   with pytest.raises(ValueError, match="not divisible"):

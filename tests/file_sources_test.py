@@ -79,3 +79,32 @@ def test_unknown_split_is_a_user_error(tmp_path):
   source = file_sources.TsvSource({"train": "train.tsv"}, data_dir=str(tmp_path))
   with pytest.raises(UserError, match=r"Unknown split 'validation'; this source has \['train'\]"):
     source.num_input_examples("validation")
+
+
+@pytest.mark.parametrize("compressed", [False, True])
+def test_invalid_utf8_names_the_file_and_line(tmp_path, compressed):
+  raw = "sentence\tlabel\ngood\t1\n".encode() + b"caf\xe9\t1\n"
+  path = tmp_path / ("train.tsv.gz" if compressed else "train.tsv")
+  path.write_bytes(gzip.compress(raw) if compressed else raw)
+  with pytest.raises(file_sources.DataFileError) as raised:
+    file_sources.read_tsv(str(path))
+  assert str(raised.value) == (
+    f"{path}:3: not valid UTF-8 (byte 0xe9 at byte 4 of the line); save the file as UTF-8."
+  )
+
+
+def test_a_file_without_examples_names_the_file_and_line(tmp_path):
+  cases = {"empty.tsv": "", "header.tsv": "sentence\tlabel\n", "blank.tsv": "sentence\tlabel\n\n\n"}
+  for name, text in cases.items():
+    (tmp_path / name).write_text(text)
+  with pytest.raises(file_sources.DataFileError, match="empty.tsv:1: the file is empty"):
+    file_sources.read_tsv(str(tmp_path / "empty.tsv"))
+  with pytest.raises(file_sources.DataFileError, match="header.tsv:2: .* only a header row"):
+    file_sources.read_tsv(str(tmp_path / "header.tsv"))
+  with pytest.raises(file_sources.DataFileError, match="blank.tsv:4: .* no examples"):
+    file_sources.read_tsv(str(tmp_path / "blank.tsv"))
+  (tmp_path / "empty.jsonl").write_text("\n")
+  with pytest.raises(file_sources.DataFileError, match="empty.jsonl:2: .* no examples"):
+    file_sources.read_jsonl(str(tmp_path / "empty.jsonl"), {"inputs": "a"})
+  with pytest.raises(file_sources.DataFileError, match="empty.tsv:1: the file is empty"):
+    file_sources.read_parallel(str(tmp_path / "empty.tsv"), str(tmp_path / "empty.tsv"), "a", "b")

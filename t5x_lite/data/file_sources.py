@@ -24,6 +24,7 @@ directory (the layout of this project's example data).
 import gzip
 import json
 import os
+import zlib
 from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from typing import Optional
 
@@ -99,24 +100,50 @@ def resolve_path(file_name: str, data_dir: Optional[str] = None) -> str:
   return path
 
 
-def _open_text(path: str):
-  """Opens a UTF-8 text file, gunzipping `*.gz`."""
+def _open_binary(path: str):
+  """Opens a file for reading bytes, gunzipping `*.gz`."""
   if path.endswith(".gz"):
-    return gzip.open(tf.io.gfile.GFile(path, "rb"), "rt", encoding="utf-8")
-  return tf.io.gfile.GFile(path, "r")
+    return gzip.open(tf.io.gfile.GFile(path, "rb"), "rb")
+  return tf.io.gfile.GFile(path, "rb")
 
 
 def numbered_lines(path: str) -> Iterator[tuple[int, str]]:
-  """Yields (line number, line without newline) of a text file (.gz ok).
+  """Yields (line number, line without newline) of a UTF-8 text file (.gz ok).
 
   A UTF-8 byte-order mark before the first line is dropped, so it never ends
   up in a header name or a first record.
+
+  Raises:
+    DataFileError: "file:line: not valid UTF-8 ...", or a damaged gzip file.
   """
-  with _open_text(path) as f:
-    for number, line in enumerate(f, start=1):
-      if number == 1:
-        line = line.removeprefix(_BYTE_ORDER_MARK)
-      yield number, line.rstrip("\r\n")
+  number = 0
+  try:
+    with _open_binary(path) as f:
+      for number, raw in enumerate(f, start=1):
+        try:
+          line = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+          raise DataFileError(
+            f"{path}:{number}: not valid UTF-8 (byte 0x{raw[e.start]:02x} at byte "
+            f"{e.start + 1} of the line); save the file as UTF-8."
+          ) from None
+        if number == 1:
+          line = line.removeprefix(_BYTE_ORDER_MARK)
+        yield number, line.rstrip("\r\n")
+  except (EOFError, gzip.BadGzipFile, zlib.error) as e:
+    raise DataFileError(f"{path}:{number + 1}: damaged gzip data ({e}).") from None
+
+
+def _no_examples(path: str, last_line: int, header: bool) -> DataFileError:
+  """The error for a file that holds no examples, pointing after its last line."""
+  if last_line == 0:
+    return DataFileError(f"{path}:1: the file is empty; it needs at least one example.")
+  what = "only a header row" if header and last_line == 1 else "no examples"
+  return DataFileError(
+    f"{path}:{last_line + 1}: the file ends here with {what}"
+    f"{' (the header row, then empty lines)' if header and last_line > 1 else ''}; "
+    "it needs at least one example."
+  )
 
 
 def read_tsv(
@@ -143,13 +170,15 @@ def read_tsv(
 
   Raises:
     ConfigError: if `has_header` is False and `columns` is not given.
-    DataFileError: if the header's field count differs from `columns`, or
-      on a row with the wrong number of fields ("file:line: ...").
+    DataFileError: if the header's field count differs from `columns`, on a
+      row with the wrong number of fields, invalid UTF-8, or a file without
+      examples ("file:line: ...").
   """
   if not has_header and not columns:
     raise ConfigError(f"{path}: has_header=False needs columns=(...) naming the fields.")
   names = list(columns) if columns else None
   out: Optional[Columns] = None
+  number = 0
   for number, line in numbered_lines(path):
     fields = line.split("\t")
     if number == 1 and has_header:
@@ -172,7 +201,9 @@ def read_tsv(
       )
     for name, value in zip(names, fields):
       out[name].append(value)
-  return out or {name: [] for name in names or []}
+  if not out or not next(iter(out.values())):
+    raise _no_examples(path, number, has_header)
+  return out
 
 
 def _json_text(value, policy: str, where: str) -> str:
@@ -202,10 +233,12 @@ def read_jsonl(
     {output feature: [strings]}.
 
   Raises:
-    DataFileError: on invalid JSON or a missing field ("file:line: ...").
+    DataFileError: on invalid JSON or UTF-8, a missing field, or a file without
+      examples ("file:line: ...").
   """
   list_policy = list_policy or {}
   out = {name: [] for name in fields}
+  number = 0
   for number, line in numbered_lines(path):
     if not line.strip():
       continue
@@ -222,6 +255,8 @@ def read_jsonl(
       out[name].append(
         _json_text(record[key], list_policy.get(key, "join"), f"{where}: field '{key}'")
       )
+  if not next(iter(out.values()), [None]):
+    raise _no_examples(path, number, header=False)
   return out
 
 
@@ -229,7 +264,7 @@ def read_parallel(source_path: str, target_path: str, source_key: str, target_ke
   """Reads two line-aligned files; pairs with an empty side are dropped.
 
   Raises:
-    DataFileError: if the files have different numbers of lines.
+    DataFileError: if the files have different numbers of lines or no pair.
   """
   sources = [line for _, line in numbered_lines(source_path)]
   targets = [line for _, line in numbered_lines(target_path)]
@@ -239,6 +274,8 @@ def read_parallel(source_path: str, target_path: str, source_key: str, target_ke
       "parallel files must be line-aligned."
     )
   kept = [(s, t) for s, t in zip(sources, targets) if s.strip() and t.strip()]
+  if not kept:
+    raise _no_examples(source_path, len(sources), header=False)
   return {source_key: [s for s, _ in kept], target_key: [t for _, t in kept]}
 
 

@@ -142,7 +142,12 @@ class DatasetConfig:
   architecture: str = "encoder_decoder"
 
   def __post_init__(self) -> None:
-    """Fails early, naming the closest registered names, for an unknown task."""
+    """Fails early on a batch size below 1 or an unknown task (naming the closest)."""
+    if not isinstance(self.batch_size, (int, np.integer)) or self.batch_size < 1:
+      raise ConfigError(
+        f"DatasetConfig.batch_size (gin BATCH_SIZE) must be a positive integer, got "
+        f"{self.batch_size!r}"
+      )
     if self.architecture not in network.ARCHITECTURES:
       raise ConfigError(
         f"DatasetConfig.architecture must be one of {network.ARCHITECTURES}, "
@@ -190,8 +195,9 @@ def per_host_batch_size(global_batch_size: int) -> int:
   """This host's share of the global batch."""
   count = jax.process_count()
   if global_batch_size % count:
-    raise ValueError(
-      f"Global batch size {global_batch_size} is not divisible by the {count} processes."
+    raise ConfigError(
+      f"BATCH_SIZE {global_batch_size} (the global batch) is not divisible by the {count} "
+      "processes; use a multiple of the process count."
     )
   return global_batch_size // count
 
@@ -458,6 +464,7 @@ class TrainIterator:
     make_dataset: Callable[[], tf.data.Dataset],
     sharding: Sharding,
     checkpoint_mode: str = "iterator",
+    name: str = "The training data",
   ):
     """Wraps an (endless, deterministic) per-host dataset.
 
@@ -468,6 +475,7 @@ class TrainIterator:
         a different order.
       sharding: sharding of the global [batch, length] arrays.
       checkpoint_mode: 'iterator' or 'skip' (see the module docstring).
+      name: what the data is, for the error when it holds no examples.
     """
     if checkpoint_mode not in CHECKPOINT_MODES:
       raise ValueError(
@@ -478,6 +486,7 @@ class TrainIterator:
     self._mode = checkpoint_mode
     self._iterator: Iterator[Mapping[str, tf.Tensor]] | None = None
     self.batches_consumed = 0
+    self._name = name
 
   def __iter__(self) -> TrainIterator:
     return self
@@ -488,7 +497,10 @@ class TrainIterator:
     return self._iterator
 
   def __next__(self) -> Batch:
-    local = next(self._tf_iterator())
+    try:
+      local = next(self._tf_iterator())
+    except StopIteration:  # an endless dataset that ends holds no examples
+      raise ConfigError(f"{self._name} holds no examples: there is nothing to train on.") from None
     self.batches_consumed += 1
     return to_global({k: v.numpy() for k, v in local.items()}, self._sharding)
 
@@ -600,7 +612,12 @@ def train_iterator(
   config: DatasetConfig, sharding: Sharding, checkpoint_mode: str = "iterator"
 ) -> TrainIterator:
   """The endless, shuffled training iterator for `config`."""
-  return TrainIterator(lambda: host_dataset(config, num_epochs=None), sharding, checkpoint_mode)
+  return TrainIterator(
+    lambda: host_dataset(config, num_epochs=None),
+    sharding,
+    checkpoint_mode,
+    name=f"The {config.split!r} split of {config.mixture_or_task_name} (this host's shard)",
+  )
 
 
 def eval_batches(config: DatasetConfig, sharding: Sharding, num_batches: int) -> Iterator[Batch]:
