@@ -25,7 +25,11 @@ import transformers
 from t5x_lite.nn import network
 from t5x_lite.checkpoint import checkpoints, train_checkpointer
 from t5x_lite.interop import hf as hf_interop
-from t5x_lite.core.errors import CheckpointNotFoundError, CorruptCheckpointError
+from t5x_lite.core.errors import (
+  CheckpointNotFoundError,
+  CorruptCheckpointError,
+  MissingExtraError,
+)
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VOCAB = 128
@@ -461,3 +465,14 @@ def test_converter_to_hf_reads_training_checkpoint_config(tmp_path):
   ckpt.close()
   _run_converter("--direction=to_hf", f"--checkpoint_dir={root}", f"--output_dir={out}")
   _assert_tensors_bitwise_equal(_load_tensors(path), _load_tensors(out))
+
+
+def test_without_the_hf_extra_reading_says_how_to_install_it(hf_model_dir, monkeypatch):
+  _, _, path = hf_model_dir
+  monkeypatch.setitem(sys.modules, "safetensors", None)  # how Python marks a module absent
+  with pytest.raises(MissingExtraError) as raised:
+    hf_interop.load_hf(path)
+  assert str(raised.value) == (
+    "Reading or writing Hugging Face checkpoints needs the `hf` extra (safetensors is not "
+    "installed): pip install -e '.[hf]'"
+  )

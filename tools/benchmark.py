@@ -656,6 +656,8 @@ def _resolve_dtype(name: str) -> str:
 def main(argv: Sequence[str]) -> None:
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+  if _COMPARE_HF.value:
+    errors.require_extra("hf", ("torch", "transformers", "safetensors"), "--compare_hf")
   if _COMPARE_HF.value or _COMPARE_T5X.value:  # on a GPU, jax would take 75% up front
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
   gin_config.parse_gin_flags(default_files=[DEFAULT_GIN_FILE])

@@ -16,7 +16,8 @@ checkpoint without a stored config converts with its model's gin file):
 
 Relative paths are relative to the working directory. A bad input (a missing or
 unreadable file, an unsupported config, a corrupt checkpoint) is reported as one
-`ERROR: <message>` line on stderr with exit status 1.
+`ERROR: <message>` line on stderr with exit status 1. Needs the `hf` extra
+(`pip install -e '.[hf]'`: safetensors), and says so when it is missing.
 
 Checkpoint layout (see t5x_lite/checkpoint/checkpoints.py, which reads and restores it):
 `<root>/<step>/params` is a StandardSave of the plain parameter tree (no 'params'
@@ -36,7 +37,7 @@ from collections.abc import Sequence
 from absl import app, flags
 
 from t5x_lite import models
-from t5x_lite.core import gin_config
+from t5x_lite.core import errors, gin_config
 from t5x_lite.checkpoint import checkpoints
 from t5x_lite.training import partitioning
 from t5x_lite.interop import hf
@@ -104,6 +105,7 @@ def main(argv: Sequence[str]) -> None:
   console.quiet_library_logs()
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+  errors.require_extra("hf", ("safetensors",), "tools/convert_hf_checkpoint.py")
   if _DIRECTION.value == "from_hf":
     if not _HF_DIR.value:
       raise app.UsageError("--direction=from_hf needs --hf_dir.")

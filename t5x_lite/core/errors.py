@@ -9,6 +9,7 @@ The message must name the thing that is wrong: the gin binding, the file and
 line, the parameter path.
 """
 
+import importlib
 import sys
 import traceback
 from collections.abc import Callable, Sequence
@@ -33,6 +34,31 @@ class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
 
 class CorruptCheckpointError(CheckpointError):
   """A checkpoint file is truncated, corrupt or missing."""
+
+
+class WriteError(UserError, OSError):
+  """An output cannot be written: a read-only or full disk, a file in the way."""
+
+
+class MissingExtraError(UserError, ImportError):
+  """A tool needs an optional extra of the package that is not installed."""
+
+
+def require_extra(extra: str, modules: Sequence[str], what: str) -> None:
+  """Raises `MissingExtraError` saying how to install `extra` unless `modules` import.
+
+  Args:
+    extra: the setup.py extra, e.g. 'hf'.
+    modules: the modules it provides, e.g. ('safetensors',).
+    what: what needs them, e.g. 'tools/convert_hf_checkpoint.py'.
+  """
+  for module in modules:
+    try:
+      importlib.import_module(module)
+    except ImportError as e:
+      raise MissingExtraError(
+        f"{what} needs the `{extra}` extra ({module} is not installed): pip install -e '.[{extra}]'"
+      ) from e
 
 
 def fail(message: str) -> NoReturn:

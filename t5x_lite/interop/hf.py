@@ -25,9 +25,8 @@ from typing import Any
 import flax
 import jax
 import numpy as np
-import safetensors
-import safetensors.numpy
 
+from t5x_lite.core import errors
 from t5x_lite.nn import shared_encoder_decoder
 from t5x_lite.core.errors import (
   CheckpointError,
@@ -323,6 +322,14 @@ def _read_json(path: str) -> Any:
     raise CorruptCheckpointError(f"{path}: not a JSON file ({e}).") from e
 
 
+def _safetensors() -> Any:
+  """The safetensors package (the `hf` extra), or a one-line `MissingExtraError`."""
+  errors.require_extra("hf", ("safetensors",), "Reading or writing Hugging Face checkpoints")
+  import safetensors.numpy  # pylint: disable=import-outside-toplevel
+
+  return safetensors
+
+
 def _read_safetensors_file(path: str) -> dict[str, np.ndarray]:
   """Every tensor of one safetensors file.
 
@@ -332,6 +339,7 @@ def _read_safetensors_file(path: str) -> dict[str, np.ndarray]:
   """
   if not os.path.isfile(path):
     raise CheckpointNotFoundError(f"{path} not found.")
+  safetensors = _safetensors()
   try:
     with safetensors.safe_open(path, framework="numpy") as f:
       return {key: f.get_tensor(key) for key in f.keys()}
@@ -543,6 +551,6 @@ def save_hf(config: T5Config, params: Any, path: str) -> None:
   os.makedirs(path, exist_ok=True)
   with open(os.path.join(path, CONFIG_NAME), "w") as f:
     json.dump(config_to_hf(config), f, indent=2, sort_keys=True)
-  safetensors.numpy.save_file(
+  _safetensors().numpy.save_file(
     tensors, os.path.join(path, SAFETENSORS_NAME), metadata={"format": "pt"}
   )
