@@ -181,7 +181,7 @@ def test_eval_batches_fixed_count_unshuffled_zero_padded(sharding):
 
 
 def test_training_data_without_examples_is_one_line(sharding):
-  empty = data.TrainIterator(
+  empty = pipeline.TrainIterator(
     lambda: tf.data.Dataset.range(0).map(lambda i: {"x": i}).repeat(), sharding, name="Task t"
   )
   with pytest.raises(ConfigError, match="^Task t holds no examples: there is nothing to train on"):

@@ -32,7 +32,7 @@ from t5x_lite import models
 from t5x_lite.core import gin_config
 from t5x_lite.checkpoint import checkpoints, train_checkpointer
 from t5x_lite.training import partitioning, trainer
-from t5x_lite.run import train_lib
+from t5x_lite.run import model_dir_lock, train_lib
 
 pytestmark = pytest.mark.slow  # subprocess runs of the entry points
 
@@ -69,9 +69,16 @@ def _env(devices: int) -> dict[str, str]:
 
 
 def _train(
-  config: str, model_dir: str, steps: int, log_dir: str, processes: int, *extra: str
-) -> None:
-  """Runs the train entry point in `processes` processes (8 devices in all)."""
+  config: str,
+  model_dir: str,
+  steps: int,
+  log_dir: str,
+  processes: int,
+  *extra: str,
+  exit_code: int = 0,
+) -> list[str]:
+  """Runs the train entry point in `processes` processes (8 devices in all); each must
+  exit with `exit_code`. Returns their outputs."""
   command = [
     sys.executable,
     "-m",
@@ -107,9 +114,12 @@ def _train(
     for p in procs:
       if p.poll() is None:
         p.kill()
+  outputs = []
   for code, log_path in zip(codes, logs):
     with open(log_path) as f:
-      assert code == 0, f"{log_path} exited {code}:\n{f.read()[-4000:]}"
+      outputs.append(f.read())
+    assert code == exit_code, f"{log_path} exited {code}:\n{outputs[-1][-4000:]}"
+  return outputs
 
 
 def _losses(model_dir: str) -> dict[int, float]:
@@ -177,3 +187,17 @@ def test_joint_checkpoint_restores_in_one_process(runs):
   iterator_files = os.listdir(os.path.join(runs["multi"], "2", checkpoints.DATA_ITERATOR))
   for index in (0, 1):  # each host saved its own input position
     assert any(name.startswith(f"process_{index}-of-2") for name in iterator_files)
+
+
+def test_a_locked_model_dir_stops_every_process_of_the_job(runs, tmp_path):
+  model_dir = str(tmp_path / "locked")
+  with model_dir_lock.ModelDirLock(model_dir):  # another run, here this test's process
+    outputs = _train(runs["config"], model_dir, 2, str(tmp_path), 2, exit_code=1)
+  errors = [[line for line in out.splitlines() if line.startswith("ERROR:")] for out in outputs]
+  assert [len(e) for e in errors] == [1, 1], outputs
+  assert (
+    f"is in use by another training run (host {socket.gethostname()}, pid {os.getpid()},"
+    in (errors[0][0])
+  )
+  assert "could not be locked by process 0 of this job" in errors[1][0]
+  assert not any("Traceback" in out for out in outputs), outputs

@@ -1,5 +1,6 @@
 """Checkpoints: orbax steps and their integrity manifest, training saves and resume, restores.
 
-Also parameter layouts (scanned or not) and partial restores for fine-tuning starts. Imports
-`t5x_lite.core` and `t5x_lite.nn` (the model config a step stores).
+Also parameter layouts (scanned or not), partial restores for fine-tuning starts, and a
+save that failed writing (`save_failure`). Imports `t5x_lite.core` and `t5x_lite.nn` (the
+model config a step stores).
 """

@@ -4,15 +4,17 @@
 `t5x_lite.checkpoint.checkpoints`): `params`, `opt_state`, `train_meta` (step, RNG, data
 position, model config) and `data_iterator` (one file set per host, written by
 `_IteratorHandler`). Restores go straight into the target shardings and are
-checked against them first (`checkpoints.restore_item`). Gin:
-`TrainCheckpointer.save_period`, `.keep`.
+checked against them first (`checkpoints.restore_item`). A save that fails writing
+(a full disk) removes what it wrote and raises one `WriteError` line
+(`t5x_lite.checkpoint.save_failure`). Gin: `TrainCheckpointer.save_period`, `.keep`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Protocol
 
 import gin
@@ -21,6 +23,7 @@ import orbax.checkpoint as ocp
 from absl import logging
 from etils import epath
 
+from t5x_lite.checkpoint import save_failure
 from t5x_lite.checkpoint.manifest import newest_intact, verify_files, write_file_manifest
 from t5x_lite.checkpoint.checkpoints import (
   DATA_ITERATOR,
@@ -114,6 +117,10 @@ class _ProtectedSteps:
     return [info.step in self.steps for info in checkpoints]
 
 
+# (step, its train_meta) -> None; raises when the run cannot resume that step.
+MetaCheck = Callable[[int, dict[str, Any]], None]
+
+
 @dataclasses.dataclass(frozen=True)
 class Restored:
   """What a training restore returns."""
@@ -191,6 +198,9 @@ class TrainCheckpointer:
     )
     self._unmanifested: int | None = None
     self._corrupt: list[int] = []  # found by `restore_latest`, not yet moved aside
+    self._failed = False  # a save failed: nothing more is written or waited for
+    self._watch = contextlib.ExitStack()  # closed by `close`
+    self._failure_log = self._watch.enter_context(save_failure.watching())
 
   def protect(self, step: int | None) -> None:
     """Keeps `step` (once saved) out of the keep-last-K rotation; None protects nothing.
@@ -230,12 +240,28 @@ class TrainCheckpointer:
       meta: JSON-serialisable dict (rng, data position, config, ...);
         `step` is added.
       iterator: the training input iterator, saved per host.
+
+    Raises:
+      WriteError: this save, or the one before it, failed writing (a full disk).
     """
     if self._corrupt:
       self._set_aside_corrupt()
     if step in self._manager.all_steps():
       return False
     self._finish_pending()
+    with self._reporting_failure(step):
+      self._start_save(step, params, opt_state, meta, iterator)
+    self._unmanifested = step
+    return True
+
+  def _start_save(
+    self,
+    step: int,
+    params: Any,
+    opt_state: Any,
+    meta: Mapping[str, Any],
+    iterator: CheckpointableIterator | None,
+  ) -> None:
     items = {
       PARAMS: ocp.args.StandardSave(params),
       OPT_STATE: ocp.args.StandardSave(opt_state),
@@ -244,8 +270,26 @@ class TrainCheckpointer:
     if iterator is not None:
       items[DATA_ITERATOR] = IteratorSave(iterator)
     self._manager.save(step, args=ocp.args.Composite(**items), force=True)
-    self._unmanifested = step
-    return True
+
+  @contextlib.contextmanager
+  def _reporting_failure(self, step: int) -> Iterator[None]:
+    """Turns a failed write of `step` into `save_failure`'s one-line WriteError."""
+    try:
+      yield
+      if self._failure_log.reason:  # logged by orbax's threads but not raised
+        raise RuntimeError(f"orbax logged a failed write: {self._failure_log.reason}")
+    except Exception as e:
+      reason = save_failure.write_failure(e)
+      if reason is None:
+        raise
+      self._failed = True
+      with contextlib.suppress(Exception):  # writes in flight end before their files go
+        self._manager.close()
+      removed = save_failure.remove_partial(self.directory, step) if _primary() else []
+      committed = sorted(
+        int(p.name) for p in self.directory.iterdir() if p.name.isdigit() and int(p.name) != step
+      )
+      raise save_failure.failed_save_error(self.directory, step, reason, committed, removed) from e
 
   def restore(
     self,
@@ -253,6 +297,7 @@ class TrainCheckpointer:
     abstract_params: Any,
     abstract_opt_state: Any,
     iterator: CheckpointableIterator | None = None,
+    check_meta: MetaCheck | None = None,
   ) -> Restored:
     """Restores a training step into the shardings of the abstract trees.
 
@@ -261,6 +306,8 @@ class TrainCheckpointer:
       abstract_params: params tree of `jax.ShapeDtypeStruct` with shardings.
       abstract_opt_state: optax state tree of the same kind.
       iterator: the input iterator to move to the saved position.
+      check_meta: called with the step and its `train_meta` before anything
+        else is restored; raises when this run cannot resume it.
 
     Raises:
       CheckpointMismatchError: the step holds a different model/optimizer.
@@ -268,25 +315,31 @@ class TrainCheckpointer:
     """
     step_dir = self.directory / str(step)
     verify_files(step_dir, checksums=self._verify_checksums)
+    meta = dict(self._restore_items(step, {TRAIN_META: ocp.args.JsonRestore()})[TRAIN_META])
+    if check_meta is not None:
+      check_meta(step, meta)
     params = restore_item(step_dir / PARAMS, abstract_params, PARAMS)
     opt_state = restore_item(step_dir / OPT_STATE, abstract_opt_state, OPT_STATE)
-    items = {TRAIN_META: ocp.args.JsonRestore()}
     if iterator is not None:
-      items[DATA_ITERATOR] = IteratorRestore(iterator)
+      self._restore_items(step, {DATA_ITERATOR: IteratorRestore(iterator)})
+    logging.info("Restored training checkpoint %s", step_dir)
+    return Restored(step=step, params=params, opt_state=opt_state, meta=meta)
+
+  def _restore_items(self, step: int, items: Mapping[str, ocp.args.CheckpointArgs]) -> Any:
+    """Orbax's restore of some items of `step`; its errors name the step directory."""
     try:
-      restored = self._manager.restore(step, args=ocp.args.Composite(**items))
+      return self._manager.restore(step, args=ocp.args.Composite(**items))
     except CheckpointError:
       raise
     except Exception as e:  # JSON / tf.data errors: name the step directory
-      raise CheckpointError(f"Cannot restore {step_dir}: {e}") from e
-    logging.info("Restored training checkpoint %s", step_dir)
-    return Restored(step=step, params=params, opt_state=opt_state, meta=dict(restored[TRAIN_META]))
+      raise CheckpointError(f"Cannot restore {self.directory / str(step)}: {e}") from e
 
   def restore_latest(
     self,
     abstract_params: Any,
     abstract_opt_state: Any,
     iterator: CheckpointableIterator | None = None,
+    check_meta: MetaCheck | None = None,
   ) -> Restored | None:
     """Restores the newest intact step (see `restore`); None without any step.
 
@@ -305,7 +358,7 @@ class TrainCheckpointer:
     step, restored = newest_intact(
       self.directory,
       steps,
-      lambda s: self.restore(s, abstract_params, abstract_opt_state, iterator),
+      lambda s: self.restore(s, abstract_params, abstract_opt_state, iterator, check_meta),
     )
     self._corrupt = [s for s in steps if s > step]
     return restored
@@ -333,18 +386,33 @@ class TrainCheckpointer:
 
   def _finish_pending(self) -> None:
     """Waits for the running save and writes its files.json."""
-    self._manager.wait_until_finished()
     step, self._unmanifested = self._unmanifested, None
-    if step is None or jax.process_index() != 0:
+    if self._failed:
       return
-    if (self.directory / str(step)).is_dir():  # else: already rotated out
-      write_file_manifest(self.directory / str(step))
+    if step is None:
+      self._manager.wait_until_finished()
+      return
+    with self._reporting_failure(step):
+      self._manager.wait_until_finished()
+      if _primary() and (self.directory / str(step)).is_dir():  # else: already rotated out
+        write_file_manifest(self.directory / str(step))
 
   def wait(self) -> None:
     """Blocks until every started save is committed and verified-writable."""
     self._finish_pending()
 
   def close(self) -> None:
-    """Finishes pending saves and releases orbax resources."""
-    self._finish_pending()
-    self._manager.close()
+    """Finishes pending saves and releases orbax resources.
+
+    After a failed save (already reported) the manager is closed already.
+    """
+    try:
+      if not self._failed:
+        self._finish_pending()
+        self._manager.close()
+    finally:
+      self._watch.close()
+
+
+def _primary() -> bool:
+  return jax.process_index() == 0

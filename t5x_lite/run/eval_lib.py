@@ -52,14 +52,20 @@ from t5x_lite.data import pipeline
 from t5x_lite.checkpoint import checkpoints
 from t5x_lite.training import partitioning
 from t5x_lite.run import model_runner
-from t5x_lite.run.task_evaluator import Metrics, PredictionsJsonlLogger, TaskEvaluator
+from t5x_lite.run.task_evaluator import (
+  INFERENCES_DIR,
+  Metrics,
+  PredictionsJsonlLogger,
+  TaskEvaluator,
+)
 from t5x_lite.core.errors import (
   CheckpointError,
   CheckpointNotFoundError,
   ConfigError,
   CorruptCheckpointError,
+  WriteError,
 )
-from t5x_lite.core.paths import absolute_path, not_a_directory
+from t5x_lite.core.paths import absolute_path, not_a_directory, not_writable
 
 PyTree = Any
 STEP_FILE = "metrics_step_{step}.json"
@@ -241,6 +247,21 @@ def _watch(
   return evaluated
 
 
+def _check_output_dir(output_dir: str, mixture_or_task_name: str) -> None:
+  """Raises WriteError unless EVAL_OUTPUT_DIR and the directories it has that we write
+  into (predictions, each task's TensorBoard directory) can be written."""
+  if problem := not_a_directory("EVAL_OUTPUT_DIR", output_dir):
+    raise ConfigError(problem)
+  tasks = seqio.get_subtasks(pipeline.get_mixture_or_task(mixture_or_task_name))
+  problem = not_writable("EVAL_OUTPUT_DIR", output_dir)
+  for name in [INFERENCES_DIR, *(task.name for task in tasks)]:
+    path = os.path.join(output_dir, name)
+    if not problem and os.path.lexists(path):
+      problem = not_writable(f"EVAL_OUTPUT_DIR's {name} directory", path)
+  if problem:
+    raise WriteError(problem)
+
+
 @gin.configurable
 def evaluate_checkpoints(
   *,
@@ -286,9 +307,10 @@ def evaluate_checkpoints(
       MODEL_DIR, is corrupt (not with `watch`: corrupt steps are skipped).
     ConfigError: EVAL_OUTPUT_DIR is a file or holds results of a different
       evaluation, or `watch` is given a step directory.
+    WriteError: EVAL_OUTPUT_DIR, or a directory in it that evaluation writes, cannot
+      be written (checked before any work).
   """
-  if problem := not_a_directory("EVAL_OUTPUT_DIR", output_dir):
-    raise ConfigError(problem)
+  _check_output_dir(output_dir, dataset_cfg.mixture_or_task_name)
   output_dir = os.fspath(absolute_path(output_dir))
   run = _run_description(dataset_cfg, num_examples, decode)
   done = _evaluated_steps(output_dir, run)

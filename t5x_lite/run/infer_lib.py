@@ -49,8 +49,8 @@ from t5x_lite.data import file_sources, pipeline
 from t5x_lite.checkpoint import checkpoints
 from t5x_lite.training import partitioning
 from t5x_lite.run import model_runner
-from t5x_lite.core.paths import not_a_directory, shown
-from t5x_lite.core.errors import ConfigError
+from t5x_lite.core.paths import not_a_directory, not_writable, shown
+from t5x_lite.core.errors import ConfigError, WriteError
 
 MODES = ("predict", "score")
 
@@ -304,11 +304,25 @@ def _records(
 
 
 def _check_output_file(path: str) -> None:
-  """Raises ConfigError naming OUTPUT_FILE when it, or its directory, cannot be written."""
+  """Raises naming OUTPUT_FILE when it, or its directory, cannot be written.
+
+  Raises:
+    ConfigError: OUTPUT_FILE is a directory, or its directory a file.
+    WriteError: it, or its directory, cannot be written (a read-only disk).
+  """
   if os.path.isdir(path):
     raise ConfigError(f"OUTPUT_FILE {shown(path)} is a directory, not a file")
-  if problem := not_a_directory("OUTPUT_FILE's directory", os.path.dirname(path) or "."):
+  directory = os.path.dirname(path) or "."
+  if problem := not_a_directory("OUTPUT_FILE's directory", directory):
     raise ConfigError(problem)
+  if problem := not_writable("OUTPUT_FILE's directory", directory):
+    raise WriteError(problem)
+  if os.path.exists(path):
+    try:
+      with open(path, "ab"):  # appended to by a resumed run
+        pass
+    except OSError as e:
+      raise WriteError(f"OUTPUT_FILE {shown(path)} is not writable ({e.strerror})") from e
 
 
 def _check_inputs(examples: Sequence[Example], mode: str, source: str) -> None:

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import os
 import signal
@@ -51,12 +52,13 @@ from t5x_lite.checkpoint import checkpoints, partial_restore, train_checkpointer
 from t5x_lite.training import (
   early_stopping,
   metrics_logging,
+  metrics_rewind,
   optimizers,
   partitioning,
   throughput,
   trainer,
 )
-from t5x_lite.run import eval_lib
+from t5x_lite.run import eval_lib, model_dir_lock, train_checks
 from t5x_lite.core.errors import ConfigError, UserError
 
 CONFIG_FILE = "config.gin"
@@ -122,6 +124,7 @@ def _setup_state(
   initial_checkpoint_path: str | None,
   initial_checkpoint_dtype: str | None,
   restore_config: partial_restore.RestoreConfig | None,
+  check_meta: train_checkpointer.MetaCheck | None = None,
 ) -> _Setup:
   """Resumes from MODEL_DIR, else initialises (optionally from a checkpoint).
 
@@ -133,7 +136,7 @@ def _setup_state(
   """
   init_rng, rng = jax.random.split(jax.random.PRNGKey(random_seed))
   abstract, shardings = trainer.abstract_train_state(model, optimizer, partitioner)
-  restored = ckpt.restore_latest(abstract.params, abstract.opt_state, train_iter)
+  restored = ckpt.restore_latest(abstract.params, abstract.opt_state, train_iter, check_meta)
   elapsed_s = 0.0
   if restored is not None:
     elapsed_s = float(restored.meta.get(ELAPSED_KEY, 0.0))
@@ -289,6 +292,7 @@ class _Loop:
     self.infer_eval: tuple[int, Any] | None = None
     self.last_saved = ckpt.latest_step()
     self.vocabulary = checkpoints.vocabulary_fingerprint(model.output_vocabulary)
+    self.train_data = train_checks.train_data_meta(dataset_cfg)
     self.tokens_per_step = tokens
     self.started = time.time() - setup.elapsed_s  # the run's start, across resumes
     self.early_stopping: early_stopping.EarlyStopping | None = None
@@ -327,6 +331,7 @@ class _Loop:
       "data_batches_consumed": self.train_iter.batches_consumed,
       checkpoints.MODEL_CONFIG_KEY: dataclasses.asdict(self.setup.model_config),
       checkpoints.VOCABULARY_KEY: self.vocabulary,
+      train_checks.TRAIN_DATA_KEY: self.train_data,
       ELAPSED_KEY: time.time() - self.started,
     }
     if self.ckpt.save(step, state.params, state.opt_state, meta, self.train_iter):
@@ -524,6 +529,9 @@ def train(
   if eval_dataset_cfg is not None:
     eval_dataset_cfg = pipeline.for_model(eval_dataset_cfg, model.module.config)
   partitioner = partitioner or partitioning.Partitioner()
+  train_checks.check_batch_size(train_dataset_cfg, partitioner)
+  primary = jax.process_index() == 0  # process 0 writes the logs
+  train_checks.check_outputs(model_dir, metrics_logging.SPLITS if primary else ())
   optimizer = optimizer.with_trainable(trainable_parameters).with_gradual_unfreezing(
     gradual_unfreezing_steps
   )
@@ -531,12 +539,15 @@ def train(
     partitioner.abstract_params(model.init_params)[0], trainable_parameters
   )
   logging.info("trainable parameters: %d of %d", trainable, total)
-  ckpt = train_checkpointer.TrainCheckpointer(model_dir)
   stop = StopRequest() if stop is None else stop
   with contextlib.ExitStack() as stack:
-    stack.callback(ckpt.close)
     stack.enter_context(stop.installed())
-    if jax.process_index() == 0:  # every host reads the same first examples: report once
+    lock = model_dir_lock.ModelDirLock(model_dir)
+    model_dir_lock.acquire_for_job(lock)  # before orbax looks at MODEL_DIR
+    stack.callback(lock.release)
+    ckpt = train_checkpointer.TrainCheckpointer(model_dir)
+    stack.callback(ckpt.close)
+    if primary:  # every host reads the same first examples: report once
       pipeline.log_truncation(train_dataset_cfg)  # warns when examples exceed the feature lengths
     train_iter = pipeline.train_iterator(
       train_dataset_cfg, partitioner.batch_sharding, data_checkpoint_mode
@@ -551,7 +562,13 @@ def train(
       initial_checkpoint_path=initial_checkpoint_path,
       initial_checkpoint_dtype=initial_checkpoint_dtype,
       restore_config=restore_config,
+      check_meta=functools.partial(
+        train_checks.check_resume, model_dir, cfg=train_dataset_cfg, total_steps=total_steps
+      ),
     )
+    if primary:  # steps a killed run logged after its last checkpoint are logged again
+      start = int(jax.device_get(setup.state.step))
+      metrics_rewind.rewind_logs(model_dir, start, metrics_logging.SPLITS)
     loop = _Loop(
       model,
       optimizer,
