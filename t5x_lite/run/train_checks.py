@@ -1,7 +1,7 @@
 """What `train()` checks before it does any work, each failure one line.
 
 * `check_outputs`: MODEL_DIR and its TensorBoard directories can be written (a
-  read-only or full-permission-denied directory fails here, not after the restore).
+  read-only directory, or a file in the way, fails here, not after the restore).
 * `check_batch_size`: the global batch divides over the mesh's data axis.
 * `check_resume`: a resumed MODEL_DIR is continued with the data it was trained on
   (task or mixture, batch size, feature lengths, packing: `train_data_meta`, stored
