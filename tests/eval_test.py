@@ -147,6 +147,34 @@ def test_metrics_of_predictions_scores_and_loss_only_task(tmp_path, caplog):
   }
 
 
+@pytest.mark.parametrize(
+  "inputs_length,fit",
+  [
+    (16, ""),
+    (8, "; inputs at the given length may have been truncated"),
+  ],
+  ids=["longer", "shorter"],
+)
+def test_lengths_are_one_line_of_ours_instead_of_seqios_warning(
+  tmp_path, caplog, inputs_length, fit
+):
+  """seqio's multi-line advice on the given lengths becomes one line naming the lengths
+  that fit the split ("q10: yes?" + EOS: 10 input tokens; "yes" + EOS: 4)."""
+  given = {"inputs": inputs_length, "targets": 8}
+  with caplog.at_level(logging.INFO, logger="absl"):
+    task_evaluator.TaskEvaluator(
+      StubRunner(), _dataset_cfg(LABELED_TASK, task_feature_lengths=given), log_dir=str(tmp_path)
+    )
+  assert "Given sequence lengths" not in caplog.text
+  expected = (
+    f"Evaluating {LABELED_TASK} (validation): {NUM_EXAMPLES} examples of at most "
+    f"{min(10, inputs_length)} input and 4 target tokens; TASK_FEATURE_LENGTHS="
+    f"{{'inputs': {min(10, inputs_length)}, 'targets': 4}} would fit them all (given: {given})"
+    f"{fit}."
+  )
+  assert [r.getMessage() for r in caplog.records if "Evaluating" in r.getMessage()] == [expected]
+
+
 _tiny_config = tiny_checkpoint_config
 
 

@@ -49,3 +49,10 @@ def test_squad_means_over_examples():
 def test_squad_answer_of_only_articles_matches_exactly_with_zero_f1():
   """v1.1 compares '' == '' as an exact match, but F1 has no shared token."""
   assert task_metrics.squad([["The"]], ["a"]) == {"em": 100.0, "f1": 0.0}
+
+
+def test_log_lines_say_which_metrics_are_correlations_times_100():
+  assert task_metrics.shown("matthews_corrcoef", 23.456) == "matthews_corrcoef 23.46 (x100)"
+  assert task_metrics.shown("spearman_corrcoef", -5.0) == "spearman_corrcoef -5 (x100)"
+  assert task_metrics.shown("accuracy", 91.25) == "accuracy 91.25"
+  assert task_metrics.matthews_corrcoef([0, 1, 1, 0], [0, 1, 1, 0]) == {"matthews_corrcoef": 100.0}

@@ -443,6 +443,10 @@ def test_kill_9_then_resume_then_sigterm(tmp_path):
   assert f"train step {latest + 1}/" in output  # continues right after the checkpoint
   stopped_at = _records(model_dir)[-1]["step"]
   assert f"Stopped by SIGTERM at step {stopped_at}; checkpoint {model_dir}/{stopped_at}." in output
+  # The warning names the step it stops at (the loop runs at most one step ahead).
+  received = int(re.search(r"Received SIGTERM during step (\d+): finishing it", output).group(1))
+  assert stopped_at in (received, received + 1), (received, stopped_at)
+  assert f"then saving step {received} and exiting" in output
   assert stopped_at >= latest + 3
   saved = train_checkpointer.TrainCheckpointer(model_dir)
   assert saved.latest_step() == stopped_at

@@ -20,8 +20,16 @@ import sklearn.metrics
 from rouge_score import rouge_scorer
 
 INVALID_LABEL = -1
+# Correlations, in [-1, 1], reported times 100 like T5's; `shown` marks them in log lines
+# (the others are percentages or, for BLEU, 0-100 by definition).
+TIMES_100 = frozenset({"matthews_corrcoef", "pearson_corrcoef", "spearman_corrcoef"})
 _PUNCTUATION = frozenset(string.punctuation)
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
+
+
+def shown(name: str, value: float) -> str:
+  """`name value` for a log line; a correlation reported x100 says so: `... 23.5 (x100)`."""
+  return f"{name} {value:.4g}" + (" (x100)" if name in TIMES_100 else "")
 
 
 def string_label_to_class_id(

@@ -13,11 +13,13 @@ example's inputs, targets and predictions as JSONL.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging as stdlib_logging
 import os
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -27,13 +29,39 @@ import tensorflow as tf
 import tqdm
 from absl import logging
 
-from t5x_lite.data import pipeline
+from t5x_lite.data import pipeline, task_metrics
 from t5x_lite.run import model_runner
 from t5x_lite.core.errors import ConfigError
 
 PyTree = Any
 Metrics = dict[str, dict[str, float]]
 INFERENCES_DIR = "inferences"
+# seqio.Evaluator's multi-line advice on the given lengths, said in one line of ours
+# (`TaskEvaluator._log_lengths`), and its note that it has no loggers (the Python API's
+# choice).
+_SEQIO_ADVICE = (
+  "Given sequence lengths are longer than necessary",
+  "Given sequence lengths *may be* insufficient",
+  "'logger_cls' is empty",
+)
+
+
+class _DropSeqioAdvice(stdlib_logging.Filter):
+  """Drops the `_SEQIO_ADVICE` records."""
+
+  def filter(self, record: stdlib_logging.LogRecord) -> bool:
+    return not any(advice in str(record.msg) for advice in _SEQIO_ADVICE)
+
+
+@contextlib.contextmanager
+def _without_seqio_advice() -> Iterator[None]:
+  """absl's logger without the `_SEQIO_ADVICE` records inside the block."""
+  drop, logger = _DropSeqioAdvice(), logging.get_absl_logger()
+  logger.addFilter(drop)
+  try:
+    yield
+  finally:
+    logger.removeFilter(drop)
 
 
 def _jsonable(value: Any) -> Any:
@@ -125,7 +153,10 @@ class TaskEvaluator:
     self.runner, self.cfg, self.num_examples = runner, dataset_cfg, num_examples
     name, split = dataset_cfg.mixture_or_task_name, dataset_cfg.split
     lengths = dataset_cfg.task_feature_lengths
-    with pipeline.naming_failing_task(name, split, lengths, dataset_cfg.seed):
+    with (
+      pipeline.naming_failing_task(name, split, lengths, dataset_cfg.seed),
+      _without_seqio_advice(),
+    ):
       self.seqio = seqio.Evaluator(
         name,
         pipeline.feature_converter(dataset_cfg, pack=False),
@@ -137,6 +168,7 @@ class TaskEvaluator:
         log_dir=log_dir,
         async_compute_metrics=False,
       )
+    self._log_lengths()
     subtasks = seqio.get_subtasks(pipeline.get_mixture_or_task(name))
     self.loss_tasks = [t for t in subtasks if split in t.splits and not t.metric_objs]
     if not self.loss_tasks and not self.seqio.eval_tasks:
@@ -149,6 +181,31 @@ class TaskEvaluator:
       )
     self._loss_loggers = tuple(cls(output_dir=log_dir) for cls in logger_cls)
     self._loss_data = {t.name: self._loss_dataset(t) for t in self.loss_tasks}
+
+  def _log_lengths(self) -> None:
+    """One line per evaluated task: its longest example against the lengths given."""
+    given = self.cfg.task_feature_lengths
+    for task in self.seqio.eval_tasks:
+      longest, count = {}, 0
+      for example in self.seqio.cached_task_datasets[task.name].as_numpy_iterator():
+        count += 1
+        for name in ("inputs", "targets"):
+          if name in example:
+            longest[name] = max(longest.get(name, 0), len(example[name]))
+      if given is None:
+        fit = "(TASK_FEATURE_LENGTHS=None: these)"
+      else:
+        fit = f"TASK_FEATURE_LENGTHS={longest} would fit them all (given: {dict(given)})"
+        if cut := [k for k, v in longest.items() if v >= given.get(k, v + 1)]:
+          fit += f"; {' and '.join(cut)} at the given length may have been truncated"
+      logging.info(
+        "Evaluating %s (%s): %d examples of at most %s tokens; %s.",
+        task.name,
+        self.cfg.split,
+        count,
+        " and ".join(f"{v} {k.removesuffix('s')}" for k, v in longest.items()),
+        fit,
+      )
 
   def _loss_dataset(self, task: seqio.Task) -> tf.data.Dataset:
     """Model features of a loss-only task, cached in memory."""
@@ -243,7 +300,10 @@ class TaskEvaluator:
         )
     for task, metrics in results.items():
       logging.info(
-        "step %d %s: %s", step, task, ", ".join(f"{k} {v:.4g}" for k, v in metrics.items())
+        "step %d %s: %s",
+        step,
+        task,
+        ", ".join(task_metrics.shown(k, v) for k, v in metrics.items()),
       )
     return results
 

@@ -72,10 +72,17 @@ class NonFiniteLossError(UserError, RuntimeError):
 
 
 class StopRequest:
-  """Turns SIGTERM/SIGINT into a flag the loop checks between steps."""
+  """Turns SIGTERM/SIGINT into a flag the loop checks between steps.
+
+  Attributes:
+    signal_name: the signal received, or None.
+    step: the last step the loop started (it keeps at most one more queued on the
+      device), for the message.
+  """
 
   def __init__(self):
     self.signal_name: str | None = None
+    self.step = 0
 
   def __bool__(self) -> bool:
     return self.signal_name is not None
@@ -83,7 +90,13 @@ class StopRequest:
   def _handle(self, signum: int, frame: Any) -> None:
     del frame
     self.signal_name = signal.Signals(signum).name
-    logging.warning("Received %s: finishing this step, then saving and exiting.", self.signal_name)
+    logging.warning(
+      "Received %s during step %d: finishing it (and an evaluation in progress, if "
+      "any), then saving step %d and exiting.",
+      self.signal_name,
+      self.step,
+      self.step,
+    )
 
   @contextlib.contextmanager
   def installed(self) -> Iterator[StopRequest]:
@@ -388,8 +401,11 @@ class _Loop:
     window: list[dict[str, float]] = []
     clock: tuple[int, float] | None = None
     while step < self.total_steps and not stop and not self.stopped_early:
+      stop.step = step + 1
       state, metrics = self.train_step(state, next(self.train_iter), self.setup.rng)
       step += 1
+      if pending:  # one step queued behind the running one: a stop waits for no more
+        jax.block_until_ready(pending[-1][1])
       pending.append((step, metrics))
       if clock is None:  # the first step includes compilation: time from its end
         jax.block_until_ready(metrics)
