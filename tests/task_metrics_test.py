@@ -56,3 +56,11 @@ def test_log_lines_say_which_metrics_are_correlations_times_100():
   assert task_metrics.shown("spearman_corrcoef", -5.0) == "spearman_corrcoef -5 (x100)"
   assert task_metrics.shown("accuracy", 91.25) == "accuracy 91.25"
   assert task_metrics.matthews_corrcoef([0, 1, 1, 0], [0, 1, 1, 0]) == {"matthews_corrcoef": 100.0}
+
+
+def test_a_question_without_answers_is_right_only_when_the_prediction_is_empty():
+  """SQuAD 2.0's unanswerable questions: the official v2.0 script scores 1 for an empty
+  prediction (exact match and F1; "The." normalises to empty) and 0 for any other."""
+  assert task_metrics.squad([[], [], []], ["", "The.", "a cat"]) == pytest.approx(
+    {"em": 200 / 3, "f1": 200 / 3}
+  )

@@ -6,7 +6,8 @@
   `columns=` (which renames a header's columns by position, or names the
   fields of a header-less file with `has_header=False`).
 * `ParallelTextSource`: two line-aligned files (e.g. train.en.gz / train.de.gz).
-* `JsonlSource`: one JSON object per line, selected fields.
+* `JsonlSource`: one JSON object per line, selected fields; a field holding a list
+  of strings is joined, cut to its first item, or kept whole (`list_policy`).
 
 The last three parse their files in Python on first use (errors name the file
 and line) and keep the records in memory, so their sizes are known for mixing
@@ -42,7 +43,10 @@ _MAX_BYTES_TO_COUNT = 256 * 2**20
 # Some editors (and Excel's "UTF-8 CSV") start files with this character.
 _BYTE_ORDER_MARK = "\ufeff"
 
-Columns = dict[str, list[str]]
+# {feature: one value per record}: a string, or a list of strings (a list feature, e.g.
+# the acceptable answers of a question, read as a variable-length string tensor).
+Columns = dict[str, list[str] | list[list[str]]]
+LIST_POLICIES = ("join", "first", "all")
 
 
 class DataFileError(UserError, ValueError):
@@ -206,13 +210,19 @@ def read_tsv(
   return out
 
 
-def _json_text(value, policy: str, where: str) -> str:
-  if isinstance(value, str):
-    return value
+def _json_value(value, policy: str, where: str) -> str | list[str]:
+  """A JSON field as a string, or with `policy` 'all' as a list of strings."""
+  if policy not in LIST_POLICIES:
+    raise ConfigError(f"{where}: list_policy must be one of {LIST_POLICIES}, got {policy!r}.")
   if isinstance(value, (int, float, bool)):
-    return str(value)
-  if isinstance(value, list) and value and all(isinstance(v, str) for v in value):
-    return value[0] if policy == "first" else " ".join(value)
+    value = str(value)
+  if isinstance(value, str):
+    return [value] if policy == "all" else value
+  if isinstance(value, list) and all(isinstance(v, str) for v in value):
+    if policy == "all":
+      return value
+    if value:
+      return value[0] if policy == "first" else " ".join(value)
   raise DataFileError(
     f"{where}: expected a string or a non-empty list of strings, got {value!r:.80}."
   )
@@ -226,11 +236,13 @@ def read_jsonl(
   Args:
     path: the file.
     fields: {output feature: JSON key}.
-    list_policy: {JSON key: 'join' (space-join, default) or 'first'} for
-      values that are lists of strings.
+    list_policy: {JSON key: policy} for values that are lists of strings:
+      'join' (space-join, the default), 'first' (the first item), or 'all' (the
+      whole list, possibly empty, as a list feature: a string value becomes a
+      one-item list), e.g. {'answers': 'all'} to score against every answer.
 
   Returns:
-    {output feature: [strings]}.
+    {output feature: [strings]}, or [lists of strings] for an 'all' field.
 
   Raises:
     DataFileError: on invalid JSON or UTF-8, a missing field, or a file without
@@ -253,7 +265,7 @@ def read_jsonl(
       if key not in record:
         raise DataFileError(f"{where}: missing field '{key}'.")
       out[name].append(
-        _json_text(record[key], list_policy.get(key, "join"), f"{where}: field '{key}'")
+        _json_value(record[key], list_policy.get(key, "join"), f"{where}: field '{key}'")
       )
   if not next(iter(out.values()), [None]):
     raise _no_examples(path, number, header=False)
@@ -277,6 +289,16 @@ def read_parallel(source_path: str, target_path: str, source_key: str, target_ke
   if not kept:
     raise _no_examples(source_path, len(sources), header=False)
   return {source_key: [s for s, _ in kept], target_key: [t for _, t in kept]}
+
+
+def _column(values: list[str] | list[list[str]]) -> tf.Tensor | tf.RaggedTensor:
+  """A column as [records] strings, or [records, (items)] for a list feature."""
+  if values and isinstance(values[0], list):
+    flat = [item for row in values for item in row]
+    return tf.RaggedTensor.from_row_lengths(
+      tf.constant(flat, tf.string, shape=[len(flat)]), [len(row) for row in values]
+    )
+  return tf.constant(values, tf.string, shape=[len(values)])
 
 
 class InMemorySource(seqio.FunctionDataSource):
@@ -312,9 +334,7 @@ class InMemorySource(seqio.FunctionDataSource):
     self, split: str, shuffle_files: bool, seed: Optional[int] = None
   ) -> tf.data.Dataset:
     records = self.records(split)
-    ds = tf.data.Dataset.from_tensor_slices(
-      {k: tf.constant(v, tf.string) for k, v in records.items()}
-    )
+    ds = tf.data.Dataset.from_tensor_slices({k: _column(v) for k, v in records.items()})
     if shuffle_files:
       ds = ds.shuffle(max(self.num_input_examples(split), 1), seed=seed)
     return ds

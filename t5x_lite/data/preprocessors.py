@@ -81,6 +81,7 @@ def text_to_text(
   feature_names: Sequence[str],
   label_key: Optional[str] = "label",
   label_names: Optional[Sequence[str] | Mapping[str, str]] = None,
+  keep_features: Sequence[str] = (),
 ) -> tf.data.Dataset:
   """Formats records as T5 text-to-text, e.g. `sst2 sentence: ...` -> `positive`.
 
@@ -88,29 +89,35 @@ def text_to_text(
   from `x[label_key]`: an int label indexes `label_names` (-1 or out of range
   -> "<unk>"), a string label is mapped through the `label_names` dict (or
   kept as is without one), a float label is rounded to 0.2 and printed with
-  one decimal (STS-B). With `label_key=None`, targets are absent.
+  one decimal (STS-B), a list label (several acceptable answers) trains on its
+  first item ("" when empty). With `label_key=None`, targets are absent.
 
   Args:
     dataset: records with the fields `feature_names` and `label_key`.
-    prefix: task prefix, e.g. "sst2".
+    prefix: task prefix, e.g. "sst2"; "" for none.
     feature_names: record fields to put in the inputs, in order.
     label_key: field holding the label.
     label_names: class names (int labels) or {raw label: name} (string labels).
+    keep_features: record fields copied unchanged into the output, e.g.
+      ('answers',) so that every acceptable answer reaches the metric
+      (`task_metrics.all_answers`).
 
   Returns:
     A dataset of {'inputs': string, 'targets': string} (+ 'idx' if the
-    records have one).
+    records have one, + `keep_features`).
 
   Raises:
     MissingFeatureError: if the records lack a field named here.
   """
-  require_features(dataset, [*feature_names, *([label_key] if label_key else [])], "text_to_text")
+  named = [*feature_names, *([label_key] if label_key else []), *keep_features]
+  require_features(dataset, named, "text_to_text")
   return _format_text_to_text(
     dataset,
     prefix=prefix,
     feature_names=feature_names,
     label_key=label_key,
     label_names=label_names,
+    keep_features=tuple(keep_features),
   )
 
 
@@ -121,6 +128,7 @@ def _format_text_to_text(
   feature_names: Sequence[str],
   label_key: Optional[str],
   label_names: Optional[Sequence[str] | Mapping[str, str]],
+  keep_features: tuple[str, ...],
 ) -> dict[str, tf.Tensor]:
   """One record of `text_to_text`."""
   parts = [tf.constant(prefix)] if prefix else []
@@ -128,9 +136,13 @@ def _format_text_to_text(
     parts += [tf.constant(f"{name}:"), x[name]]
   out = {"inputs": tf.strings.reduce_join(tf.stack(parts), separator=" ")}
   if label_key is not None:
-    out["targets"] = _label_text(x[label_key], label_names)
-  if "idx" in x:
-    out["idx"] = x["idx"]
+    label = x[label_key]
+    if label.shape.rank == 1:  # a list of acceptable answers: train on the first
+      label = tf.concat([label, [""]], axis=0)[0]
+    out["targets"] = _label_text(label, label_names)
+  for name in ("idx", *keep_features):
+    if name in x:
+      out[name] = x[name]
   return out
 
 

@@ -58,6 +58,25 @@ def string_to_float(
     return default
 
 
+def all_answers(
+  answer: str,
+  example: Optional[dict[str, Any]] = None,
+  is_target: bool = False,
+  answers_key: str = "answers",
+) -> str | list[str]:
+  """Targets: every acceptable answer of the example; predictions: unchanged.
+
+  The postprocessor of a question-answering task whose records carry a list
+  feature of answers (`squad_source.SquadJsonSource`, or `JsonlSource` with
+  `list_policy={key: 'all'}`) kept by `preprocessors.text_to_text(...,
+  keep_features=(answers_key,))`: `squad` then scores each prediction against
+  the best of them. Without that feature the target text itself is the answer.
+  """
+  if not is_target or example is None or answers_key not in example:
+    return answer
+  return [a.decode("utf-8") if isinstance(a, bytes) else str(a) for a in example[answers_key]]
+
+
 def accuracy(targets: Sequence[Any], predictions: Sequence[Any]) -> dict[str, float]:
   """Percentage of exact matches."""
   return {"accuracy": 100.0 * float(np.mean(np.array(targets) == np.array(predictions)))}
@@ -127,6 +146,9 @@ def _token_f1(target: str, prediction: str) -> float:
 def squad(targets: Sequence[str | Sequence[str]], predictions: Sequence[str]) -> dict[str, float]:
   """SQuAD v1.1 exact match and token F1, each the best over an example's answers, times 100.
 
+  An example without answers (SQuAD 2.0's unanswerable questions) scores 1 for both
+  when the prediction is empty after normalisation, else 0, as SQuAD 2.0's script does.
+
   Args:
     targets: per example, the acceptable answers (or one answer string).
     predictions: per example, the predicted answer.
@@ -138,6 +160,10 @@ def squad(targets: Sequence[str | Sequence[str]], predictions: Sequence[str]) ->
   for answers, prediction in zip(targets, predictions, strict=True):
     answers = [answers] if isinstance(answers, str) else list(answers)
     normalized = normalize_squad_answer(prediction)
+    if not answers:
+      em.append(float(not normalized))
+      f1.append(float(not normalized))
+      continue
     em.append(max(float(normalize_squad_answer(a) == normalized) for a in answers))
     f1.append(max(_token_f1(a, prediction) for a in answers))
   return {"em": 100.0 * float(np.mean(em)), "f1": 100.0 * float(np.mean(f1))}
