@@ -14,14 +14,17 @@ Two vocabularies are offered through the gin-configurable `get_vocabulary()`:
 Tasks are registered at import time, before gin files are parsed, so they use
 `default_vocabulary()`: a `DeferredVocabulary` that calls `get_vocabulary()`
 whenever it is used, which makes the gin choice apply to every registered task.
+Inside `with resolving_to(vocabulary):` it resolves to that vocabulary instead
+(`t5x_lite.run.interactive` evaluates a task with its checkpoint's vocabulary so).
 """
 
+import contextlib
 import functools
 import hashlib
 import io
 import os
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, Optional
 
 import gin
@@ -135,6 +138,25 @@ def get_vocabulary(
   return _sentencepiece_vocabulary(path, extra_ids)
 
 
+# `resolving_to` stack: the innermost vocabulary wins over `get_vocabulary()`.
+_RESOLVING_TO: list[seqio.Vocabulary] = []
+
+
+@contextlib.contextmanager
+def resolving_to(vocabulary: seqio.Vocabulary) -> Iterator[None]:
+  """Within the block, `default_vocabulary()` (every task's deferred vocabulary) is `vocabulary`.
+
+  For running registered tasks with a model's own vocabulary without a gin binding.
+  A task's datasets capture the vocabulary when they are built, so build them, and
+  decode their predictions, inside the block.
+  """
+  _RESOLVING_TO.append(vocabulary)
+  try:
+    yield
+  finally:
+    _RESOLVING_TO.pop()
+
+
 class DeferredVocabulary(seqio.Vocabulary):
   """A vocabulary that resolves `get_vocabulary()` each time it is used.
 
@@ -147,9 +169,10 @@ class DeferredVocabulary(seqio.Vocabulary):
     super().__init__(extra_ids=0)
 
   @property
-  def resolved(self) -> seqio.SentencePieceVocabulary:
-    """The vocabulary `get_vocabulary()` returns under the current gin config."""
-    return get_vocabulary()
+  def resolved(self) -> seqio.Vocabulary:
+    """The vocabulary `get_vocabulary()` returns under the current gin config, or
+    inside `resolving_to(v)` that `v`."""
+    return _RESOLVING_TO[-1] if _RESOLVING_TO else get_vocabulary()
 
   @property
   def bos_id(self) -> Optional[int]:

@@ -49,7 +49,7 @@ from jax.experimental import multihost_utils
 
 from t5x_lite import models
 from t5x_lite.data import pipeline
-from t5x_lite.checkpoint import checkpoints
+from t5x_lite.checkpoint import checkpoints, stored_vocabulary
 from t5x_lite.training import partitioning
 from t5x_lite.run import model_runner
 from t5x_lite.run.task_evaluator import (
@@ -143,6 +143,7 @@ def _build_evaluator(
 ) -> tuple[PyTree, TaskEvaluator]:
   """(abstract params, evaluator) of the model `step_dir` stores, logging to `output_dir`."""
   os.makedirs(output_dir, exist_ok=True)
+  stored_vocabulary.adopt(step_dir)  # the vocabulary it was trained with, unless gin binds one
   model = models.build_model(checkpoints.model_config(step_dir))
   checkpoints.check_vocabulary(step_dir, model.output_vocabulary)
   partitioner = partitioning.Partitioner()

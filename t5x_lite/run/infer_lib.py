@@ -46,7 +46,7 @@ from absl import logging
 
 from t5x_lite import models
 from t5x_lite.data import file_sources, pipeline
-from t5x_lite.checkpoint import checkpoints
+from t5x_lite.checkpoint import checkpoints, stored_vocabulary
 from t5x_lite.training import partitioning
 from t5x_lite.run import model_runner
 from t5x_lite.core.paths import not_a_directory, not_writable, shown
@@ -106,7 +106,7 @@ def read_input_file(path: str) -> tuple[list[str], list[str] | None]:
   return columns["inputs"], columns.get("targets")
 
 
-def _tokens(vocabulary: seqio.Vocabulary, text: str, length: int) -> np.ndarray:
+def encode_text(vocabulary: seqio.Vocabulary, text: str, length: int) -> np.ndarray:
   """Token ids of `text` truncated to length - 1, then EOS (seqio append_eos_after_trim)."""
   ids = list(vocabulary.encode(text))[: length - 1] + [vocabulary.eos_id]
   return np.asarray(ids, np.int32)
@@ -122,8 +122,8 @@ def file_examples(
     Example(
       text,
       target,
-      _tokens(model.input_vocabulary, text, lengths["inputs"]),
-      None if target is None else _tokens(model.output_vocabulary, target, lengths["targets"]),
+      encode_text(model.input_vocabulary, text, lengths["inputs"]),
+      None if target is None else encode_text(model.output_vocabulary, target, lengths["targets"]),
     )
     for text, target in zip(inputs, targets)
   ]
@@ -380,6 +380,7 @@ def infer(
     raise ConfigError("Set exactly one of INPUT_FILE and MIXTURE_OR_TASK_NAME.")
   _check_output_file(output_file)
   [(step, step_dir)] = checkpoints.find_steps(checkpoint_path)  # verified
+  stored_vocabulary.adopt(step_dir)  # the vocabulary it was trained with, unless gin binds one
   model = models.build_model(checkpoints.model_config(step_dir))
   checkpoints.check_vocabulary(step_dir, model.output_vocabulary)
   if input_file is not None:

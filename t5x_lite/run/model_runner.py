@@ -89,6 +89,21 @@ class DecodeConfig:
 # ------------------------------------------------------------------ running
 
 
+def bucket(length: int, cap: int, smallest: int = 16) -> int:
+  """A shape bucket: the next power of two >= `length` (at least `smallest`), at most `cap`.
+
+  Batches cut or padded to buckets compile a handful of shapes, each once, instead of
+  one per length (or every batch padded to the longest length there could be).
+  """
+  return min(cap, max(smallest, 1 << max(length - 1, 0).bit_length()))
+
+
+def row_bucket(rows: int, data_size: int, cap: int) -> int:
+  """Rows to pad `rows` to: `data_size` times a power of two, at most `cap`."""
+  per_device = -(-rows // data_size)
+  return min(cap, data_size * (1 << max(per_device - 1, 0).bit_length()))
+
+
 def pad_rows(batch: Mapping[str, np.ndarray], rows: int) -> dict[str, np.ndarray]:
   """Zero-pads every [n, length] feature to [rows, length] (zero rows carry no weight)."""
   padded = {}
@@ -146,12 +161,19 @@ class ModelRunner:
     )
     self._calls = 0
 
-  def _global(self, batch: Mapping[str, np.ndarray]) -> tuple[dict[str, jax.Array], int]:
-    """Pads to `batch_size` rows and places the batch on the mesh; returns real rows."""
+  def _global(
+    self, batch: Mapping[str, np.ndarray], padded_rows: int | None
+  ) -> tuple[dict[str, jax.Array], int]:
+    """Pads to `padded_rows` (default `batch_size`) and places the batch on the mesh;
+    returns the real rows."""
     rows = len(next(iter(batch.values())))
-    if rows > self.batch_size:
-      raise ValueError(f"Got {rows} rows, more than batch_size {self.batch_size}.")
-    padded = pad_rows({k: v for k, v in batch.items() if k in FEATURES}, self.batch_size)
+    padded_rows = padded_rows or self.batch_size
+    if rows > padded_rows or padded_rows % self.partitioner.data_size:
+      raise ValueError(
+        f"Got {rows} rows to pad to {padded_rows}, which must be at least that and a "
+        f"multiple of the mesh's data axis ({self.partitioner.data_size})."
+      )
+    padded = pad_rows({k: v for k, v in batch.items() if k in FEATURES}, padded_rows)
     sharding = self.partitioner.batch_sharding
     placed = {
       k: jax.make_array_from_callback(v.shape, sharding, lambda i, v=v: v[i])
@@ -160,16 +182,22 @@ class ModelRunner:
     return placed, rows
 
   def predict(
-    self, params: PyTree, batch: Mapping[str, np.ndarray]
+    self, params: PyTree, batch: Mapping[str, np.ndarray], padded_rows: int | None = None
   ) -> tuple[np.ndarray, np.ndarray]:
-    """(tokens [rows, length] int32, 0 after EOS; scores [rows] float32)."""
-    placed, rows = self._global(batch)
+    """(tokens [rows, length] int32, 0 after EOS; scores [rows] float32).
+
+    `padded_rows`: the row count the batch is padded to (default `batch_size`;
+    `row_bucket` gives few shapes for varying counts).
+    """
+    placed, rows = self._global(batch, padded_rows)
     rng = jax.random.fold_in(jax.random.PRNGKey(self.decode.seed), self._calls)
     self._calls += 1
     tokens, aux = self._predict(params, placed, rng)
     return np.asarray(tokens)[:rows], np.asarray(aux["scores"])[:rows]
 
-  def score(self, params: PyTree, batch: Mapping[str, np.ndarray]) -> np.ndarray:
-    """[rows] float32 sums of target log-likelihoods."""
-    placed, rows = self._global(batch)
+  def score(
+    self, params: PyTree, batch: Mapping[str, np.ndarray], padded_rows: int | None = None
+  ) -> np.ndarray:
+    """[rows] float32 sums of target log-likelihoods (`padded_rows` as in `predict`)."""
+    placed, rows = self._global(batch, padded_rows)
     return np.asarray(self._score(params, placed))[:rows]
