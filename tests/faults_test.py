@@ -256,7 +256,9 @@ def _largest_file(directory: Path) -> int:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("failing", ["data_iterator", "params"])
+# "params" (a limit between the iterator's and the parameters' largest files) was flaky:
+# the parameters' compressed files at the failing step can be smaller than at step 5.
+@pytest.mark.parametrize("failing", ["data_iterator"])
 def test_a_full_disk_during_a_save_keeps_the_last_step(workdir, model_dir, failing):
   # The data iterator's files are written first, in the training thread (TensorFlow);
   # the parameters later, in orbax's background threads (tensorstore). A file-size
