@@ -24,6 +24,11 @@ def test_rsqrt_schedule_values():
   assert float(scaled(400)) == pytest.approx(0.1)
 
 
+def test_a_warm_up_longer_than_the_schedule_names_both_bindings():
+  with pytest.raises(ConfigError, match=r"warmup_steps \(300\).*decay_steps \(2,"):
+    optimizers.warmup_cosine(peak_value=1.0, warmup_steps=300, decay_steps=2)
+
+
 def test_warmup_cosine_and_constant():
   schedule = optimizers.warmup_cosine(peak_value=1.0, warmup_steps=10, decay_steps=110)
   assert float(schedule(0)) == pytest.approx(0.0)

@@ -294,7 +294,15 @@ def warmup_cosine(
 
   Returns:
     A schedule step -> learning rate.
+
+  Raises:
+    ConfigError: if the warm-up is longer than the whole schedule.
   """
+  if warmup_steps > decay_steps:
+    raise ConfigError(
+      f"warmup_cosine.warmup_steps ({warmup_steps}) is longer than warmup_cosine.decay_steps "
+      f"({decay_steps}, the run's length in the recipes): set WARMUP_STEPS at most TRAIN_STEPS."
+    )
   return optax.warmup_cosine_decay_schedule(
     init_value=init_value,
     peak_value=peak_value,
