@@ -14,12 +14,12 @@ shared parameter is the sum of both uses. Scanned layers share their stacked arr
 the same way.
 """
 
-from typing import Any
+from collections.abc import Callable
 
 import flax.linen as nn
-import jax
 import jax.numpy as jnp
 
+from t5x_lite.core.types import Array, PyTree
 from t5x_lite.nn.network import T5Config, Transformer
 
 # Encoder layer sub-tree -> the decoder layer's sub-tree that reuses it.
@@ -63,7 +63,7 @@ def contract(params: dict) -> dict:
   return {**params, 'decoder': decoder}
 
 
-def _on_params(fn: Any) -> Any:
+def _on_params(fn: Callable[[dict], dict]) -> Callable[[dict], dict]:
   """`fn` over the 'params' collection of a {collection: tree} mapping (`nn.map_variables`')."""
 
   def mapped(variables: dict) -> dict:
@@ -94,7 +94,7 @@ Same attributes and methods (`encode`, `decode`, `__call__`); its params are
 """
 
 
-def init_params(config: T5Config, rng: jax.Array) -> Any:
+def init_params(config: T5Config, rng: Array) -> PyTree:
   """Boxed initial params of `SharedTransformer(config)` (`nn.LogicallyPartitioned` leaves)."""
   tokens = jnp.ones((1, 1), jnp.int32)  # [batch, length]
   variables = SharedTransformer(config).init(

@@ -66,8 +66,8 @@ from t5x_lite.core.errors import (
   WriteError,
 )
 from t5x_lite.core.paths import absolute_path, not_a_directory, not_writable
+from t5x_lite.core.types import PyTree
 
-PyTree = Any
 STEP_FILE = "metrics_step_{step}.json"
 
 

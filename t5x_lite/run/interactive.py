@@ -40,12 +40,12 @@ import seqio
 
 from t5x_lite import models
 from t5x_lite.checkpoint import checkpoints, stored_vocabulary
+from t5x_lite.core.types import PyTree
 from t5x_lite.data import pipeline, vocab
 from t5x_lite.run import infer_lib, model_runner
 from t5x_lite.run.task_evaluator import Metrics, TaskEvaluator
 from t5x_lite.training import optimizers, partitioning, trainer
 
-PyTree = Any
 # infer's defaults (gin/runs/infer.gin TASK_FEATURE_LENGTHS): inputs are cut to this
 # many tokens, and predictions are at most this long.
 DEFAULT_LENGTHS = {"inputs": 512, "targets": 128}

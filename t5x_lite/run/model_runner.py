@@ -25,8 +25,8 @@ import numpy as np
 from t5x_lite import models
 from t5x_lite.training import partitioning
 from t5x_lite.core.errors import ConfigError
+from t5x_lite.core.types import PyTree
 
-PyTree = Any
 DECODE_FNS = ("greedy", "beam", "sample")
 # Model feature names of one unpacked batch (encoder-decoder or decoder-only).
 FEATURES = (

@@ -32,8 +32,8 @@ from absl import logging
 from t5x_lite.data import pipeline, task_metrics
 from t5x_lite.run import model_runner
 from t5x_lite.core.errors import ConfigError
+from t5x_lite.core.types import PyTree
 
-PyTree = Any
 Metrics = dict[str, dict[str, float]]
 INFERENCES_DIR = "inferences"
 # seqio.Evaluator's multi-line advice on the given lengths, said in one line of ours

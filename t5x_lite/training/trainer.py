@@ -16,7 +16,7 @@ those, and gradients and metric sums are added in a `lax.scan`. The accumulated 
 therefore equals the full-batch update for every normalizing mode.
 """
 
-from typing import Any, Mapping
+from typing import Mapping
 
 import flax.linen as nn
 import flax.struct
@@ -27,8 +27,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from t5x_lite import distillation, models
 from t5x_lite.training import optimizers, partitioning
+from t5x_lite.core.types import PyTree
 
-PyTree = Any
 Batch = Mapping[str, jax.Array]
 
 

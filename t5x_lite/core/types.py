@@ -1,0 +1,26 @@
+"""The type names shared by the package's annotations.
+
+One definition of each alias, imported where annotations need it (`from t5x_lite.core.types
+import Array, PyTree`). Type-only: importing this module loads JAX under `TYPE_CHECKING`
+only, so the core layer stays free of JAX at import time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeAlias
+
+if TYPE_CHECKING:
+  import jax
+
+  Array: TypeAlias = jax.Array
+else:
+  Array: TypeAlias = Any
+
+# A nested structure of containers (dict, list, tuple, dataclass) with array leaves.
+PyTree: TypeAlias = Any
+# Anything jnp accepts as a dtype: jnp.float32, np.dtype('bfloat16'), 'float32', ...
+DType: TypeAlias = Any
+Shape: TypeAlias = tuple[int, ...]
+# A parameter initialiser: (rng, shape, dtype) -> array.
+Initializer: TypeAlias = Callable[..., Array]
