@@ -41,11 +41,12 @@ from t5x_lite import models
 from t5x_lite.nn import losses, network
 from t5x_lite.checkpoint import checkpoints
 from t5x_lite.core.errors import ConfigError
+from t5x_lite.kernels import registry
+from t5x_lite.core.types import PyTree
 
 if TYPE_CHECKING:
   import seqio
 
-PyTree = Any
 Batch = Mapping[str, jax.Array]
 
 
@@ -166,7 +167,8 @@ class DistillationModel(models.EncoderDecoderModel):
     kl = soft_target_kl(logits, self._teacher_logits(teacher_params, batch), self.temperature)
     soft = jnp.sum(kl * weights) / factor
     loss = self.alpha * self.temperature**2 * soft + (1.0 - self.alpha) * hard
-    correct = losses.token_correct(logits, batch["decoder_target_tokens"])
+    argmax = registry.select(self.module.config.kernels).argmax
+    correct = losses.token_correct(logits, batch["decoder_target_tokens"], argmax)
     sums = losses.metric_sums(correct, batch, weights, hard, z_loss)
     return loss, {**sums, "loss": loss, "distill_kl": soft}
 

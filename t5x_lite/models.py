@@ -27,12 +27,13 @@ import jax.numpy as jnp
 
 from t5x_lite.nn import decoder_only, decoding, layers, losses, network, shared_encoder_decoder
 from t5x_lite.core.errors import ConfigError
+from t5x_lite.kernels import registry
+from t5x_lite.core.types import PyTree
 
 if TYPE_CHECKING:
   import seqio
 
 Batch = Mapping[str, jax.Array]
-PyTree = Any
 _DECODER_PARAM_KEYS = ("temperature", "topk", "topp", "alpha", "max_decode_len", "min_decode_len")
 
 
@@ -168,11 +169,14 @@ class EncoderDecoderModel:
         label_smoothing=self.label_smoothing,
         z_loss=self.z_loss,
         loss_normalizing_factor=factor,
+        argmax=registry.select(self.module.config.kernels).argmax,
       )
     else:
       logits = self._logits(params, batch, dropout_rng)
       loss, z_loss = self._cross_entropy(logits, batch, weights, factor)
-      correct = losses.token_correct(logits, targets)
+      correct = losses.token_correct(
+        logits, targets, registry.select(self.module.config.kernels).argmax
+      )
     return loss, losses.metric_sums(correct, batch, weights, loss, z_loss)
 
   @staticmethod
@@ -346,6 +350,7 @@ class EncoderDecoderModel:
         num_decodes=num_decodes,
         min_decode_len=min_len,
         initial_step=initial_step,
+        argmax=registry.select(self.module.config.kernels).argmax,
         **sampling,
       )
     tokens = _zero_after_eos(self._generated(tokens, prompt, max_len), eos_id)

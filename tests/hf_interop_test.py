@@ -198,10 +198,13 @@ def test_tree_matches_network_init(hf_model_dir, scan_layers):
   assert jax.tree.map(lambda x: (x.shape, x.dtype), params) == expected
 
 
+# 'auto' is the CPU's xla_cpu kernels; 'reference' is the plain math, the A/B baseline.
+@pytest.mark.parametrize("kernels", ["auto", "reference"])
 @pytest.mark.parametrize("scan_layers", [False, True])
-def test_logits_match_hf(hf_model_dir, scan_layers):
+def test_logits_match_hf(hf_model_dir, scan_layers, kernels):
   _, model, path = hf_model_dir
   config, params = hf_interop.load_hf(path, scan_layers=scan_layers)
+  config = dataclasses.replace(config, kernels=kernels)
   batch = _batch()
   ours, theirs = _ours_logits(config, params, batch), _hf_logits(model, batch)
   assert ours.shape == theirs.shape == (2, TARGET_LEN, VOCAB)

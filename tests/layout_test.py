@@ -12,7 +12,8 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "t5x_lite"
 
 LAYERS: list[tuple[str, list[str]]] = [
-  ("core", ["core"]),  # errors, paths, cache, start-up, gin parsing
+  ("core", ["core"]),  # errors, paths, cache, start-up, gin parsing, types
+  ("kernels", ["kernels"]),  # backend implementations of the network's primitives
   ("nn", ["nn"]),  # the network math
   ("data", ["data"]),  # sources, vocabulary, objectives, mixing, the pipeline
   # distillation.py restores its teacher through checkpoint.checkpoints.

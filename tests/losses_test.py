@@ -145,22 +145,6 @@ def test_average_per_sequence_loss_is_mean_of_sequence_means():
   np.testing.assert_allclose(loss, np.mean(means), rtol=1e-5)
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_first_argmax_is_jnp_argmax_with_ties_nan_and_inf(dtype):
-  rng = np.random.default_rng(0)
-  # Few distinct values, so most rows have ties for the maximum.
-  x = rng.integers(-3, 4, size=(4, 7, 300)).astype(np.float32)
-  x[0, 0] = -np.inf
-  x[0, 1, 5] = np.inf
-  x[0, 2, [9, 40]] = np.nan
-  x[0, 3, 299] = np.nan
-  x = jnp.asarray(x, dtype)
-  got = jax.jit(losses.first_argmax)(x)
-  assert got.dtype == jnp.int32
-  np.testing.assert_array_equal(got, jnp.argmax(x, axis=-1))
-  np.testing.assert_array_equal(got[0, :4], [0, 5, 9, 299])
-
-
 def test_metric_sums_and_finalize():
   batch, segments = _batch()
   targets = np.asarray(batch["decoder_target_tokens"])

@@ -15,12 +15,20 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from t5x_lite.core.types import Array
+from t5x_lite.kernels import registry
+from t5x_lite.kernels.base import Kernels
+from t5x_lite.nn import attention as attention_lib
 from t5x_lite.nn import layers
+from t5x_lite.nn.attention import CacheMode
 
 if TYPE_CHECKING:
   from t5x_lite.nn.network import T5Config
 
-Array = jax.Array
+
+def kernels(cfg: T5Config) -> Kernels:
+  """The kernels every layer of the network computes with: `T5Config.kernels`' set."""
+  return registry.select(cfg.kernels)
 
 
 def norm(cfg: T5Config, name: str, in_layer: bool = True) -> layers.RMSNorm:
@@ -30,24 +38,26 @@ def norm(cfg: T5Config, name: str, in_layer: bool = True) -> layers.RMSNorm:
   remat_policy is 'none'; then the norm does not checkpoint itself as well.
   """
   return layers.RMSNorm(
-    cfg.layer_norm_epsilon,
-    cfg.activation_dtype,
-    cfg.parameter_dtype,
+    epsilon=cfg.layer_norm_epsilon,
+    kernels=kernels(cfg),
+    dtype=cfg.dtype,
+    param_dtype=cfg.param_dtype,
     recompute=not in_layer or cfg.remat_policy == 'none',
     name=name,
   )
 
 
-def attention(cfg: T5Config, name: str, cross: bool = False) -> layers.MultiHeadAttention:
+def attention(cfg: T5Config, name: str, cross: bool = False) -> attention_lib.MultiHeadAttention:
   """Multi-head attention named `name` (`cross`: keys and values from the encoder)."""
-  return layers.MultiHeadAttention(
-    cfg.num_heads,
-    cfg.head_dim,
-    cfg.dropout_rate,
-    cross,
-    cfg.activation_dtype,
-    cfg.parameter_dtype,
-    cfg.attention_logits_jnp_dtype,
+  return attention_lib.MultiHeadAttention(
+    num_heads=cfg.num_heads,
+    head_dim=cfg.head_dim,
+    dropout_rate=cfg.dropout_rate,
+    cross_attention=cross,
+    kernels=kernels(cfg),
+    dtype=cfg.dtype,
+    param_dtype=cfg.param_dtype,
+    logits_dtype=cfg.attention_logits_dtype,
     name=name,
   )
 
@@ -55,11 +65,12 @@ def attention(cfg: T5Config, name: str, cross: bool = False) -> layers.MultiHead
 def mlp(cfg: T5Config) -> layers.MlpBlock:
   """The feed-forward block ('relu' for T5 1.0, gated GELU for 1.1), named 'mlp'."""
   return layers.MlpBlock(
-    cfg.mlp_dim,
-    cfg.mlp_activations,
-    cfg.dropout_rate,
-    cfg.activation_dtype,
-    cfg.parameter_dtype,
+    mlp_dim=cfg.mlp_dim,
+    activations=cfg.mlp_activations,
+    dropout_rate=cfg.dropout_rate,
+    kernels=kernels(cfg),
+    dtype=cfg.dtype,
+    param_dtype=cfg.param_dtype,
     recompute=cfg.remat_policy == 'none',  # else the whole layer is rematerialised
     name='mlp',
   )
@@ -80,9 +91,14 @@ def feed_forward(cfg: T5Config, x: Array, deterministic: bool) -> Array:
   y = mlp(cfg)(y, deterministic)
   x = residual(cfg, y, x, deterministic)
   if cfg.adapter_dim:
-    x = layers.Adapter(cfg.adapter_dim, cfg.activation_dtype, cfg.parameter_dtype, name='adapter')(
-      x
+    adapter = layers.Adapter(
+      adapter_dim=cfg.adapter_dim,
+      kernels=kernels(cfg),
+      dtype=cfg.dtype,
+      param_dtype=cfg.param_dtype,
+      name='adapter',
     )
+    x = adapter(x)
     x = nn.with_logical_constraint(x, ('batch', 'length', 'embed'))
   return x
 
@@ -118,13 +134,13 @@ class DecoderLayer(nn.Module):
   Attributes:
     config: the network config.
     deterministic: disables dropout.
-    decode: use/initialise the single-step decoding caches.
+    mode: what the call does with the decoding caches.
     cache_length: self-attention cache length when initialising the cache.
   """
 
   config: T5Config
   deterministic: bool = True
-  decode: bool = False
+  mode: CacheMode = CacheMode.NONE
   cache_length: int | None = None
 
   @nn.compact
@@ -141,28 +157,32 @@ class DecoderLayer(nn.Module):
     """x [batch, target_len, embed] -> same; returns (x, None) when scanned.
 
     Without `encoded` (decoder-only models) the layer has no cross-attention.
-    `prefilled` [batch]: see `layers.MultiHeadAttention`.
+    `prefilled` [batch]: see `attention.MultiHeadAttention`.
     """
     cfg = self.config
     position_bias = layer_position_bias(cfg, position_bias, bidirectional=False)
-    kwargs = dict(
-      deterministic=self.deterministic, decode=self.decode, decode_position=decode_position
-    )
     y = norm(cfg, 'pre_self_attention_layer_norm')(x)
     y = attention(cfg, 'self_attention')(
       y,
       y,
       self_mask_bias,
       position_bias,
+      deterministic=self.deterministic,
+      mode=self.mode,
+      decode_position=decode_position,
       cache_length=self.cache_length,
       prefilled=prefilled,
-      **kwargs,
     )
     x = residual(cfg, y, x, self.deterministic)
     if encoded is not None:
       y = norm(cfg, 'pre_cross_attention_layer_norm')(x)
       y = attention(cfg, 'encoder_decoder_attention', cross=True)(
-        y, encoded, cross_mask_bias, **kwargs
+        y,
+        encoded,
+        cross_mask_bias,
+        deterministic=self.deterministic,
+        mode=self.mode,
+        decode_position=decode_position,
       )
       x = residual(cfg, y, x, self.deterministic)
     x = feed_forward(cfg, x, self.deterministic)
@@ -199,10 +219,10 @@ def apply_layers(
       length=num_layers,
       metadata_params={nn.PARTITION_NAME: 'layers'},
     )
-    x, _ = scanned(cfg, name='layers', **layer_kwargs)(x, *args)
+    x, _ = scanned(config=cfg, name='layers', **layer_kwargs)(x, *args)
     return x
   for i in range(num_layers):
-    x = layer_cls(cfg, name=f'layers_{i}', **layer_kwargs)(x, *args)
+    x = layer_cls(config=cfg, name=f'layers_{i}', **layer_kwargs)(x, *args)
   return x
 
 
@@ -227,10 +247,10 @@ def stack_position_bias(cfg: T5Config, relative: Array, bidirectional: bool) -> 
 def relpos(cfg: T5Config) -> layers.RelativePositionBiases:
   """The bucketed relative position bias table, named 'relpos_bias'."""
   return layers.RelativePositionBiases(
-    cfg.relative_attention_num_buckets,
-    cfg.relative_attention_max_distance,
-    cfg.num_heads,
-    jnp.float32,
-    cfg.parameter_dtype,
+    num_buckets=cfg.relative_attention_num_buckets,
+    max_distance=cfg.relative_attention_max_distance,
+    num_heads=cfg.num_heads,
+    dtype=jnp.float32,
+    param_dtype=cfg.param_dtype,
     name='relpos_bias',
   )

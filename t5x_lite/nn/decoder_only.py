@@ -14,15 +14,11 @@ Parameters are `token_embedder` and `decoder/...`, named as in the encoder-decod
 decoder (without `pre_cross_attention_layer_norm` and `encoder_decoder_attention`).
 """
 
-from typing import Any
-
 import flax.linen as nn
-import jax
 import jax.numpy as jnp
 
+from t5x_lite.core.types import Array, PyTree
 from t5x_lite.nn.network import Decoder, T5Config, token_embedder
-
-Array = jax.Array
 
 
 class DecoderOnlyTransformer(nn.Module):
@@ -41,7 +37,7 @@ class DecoderOnlyTransformer(nn.Module):
         f'DecoderOnlyTransformer needs a decoder-only config, got {cfg.architecture!r}'
       )
     self.token_embedder = token_embedder(cfg)
-    self.decoder = Decoder(cfg, self.token_embedder)
+    self.decoder = Decoder(config=cfg, shared_embedding=self.token_embedder)
 
   def __call__(
     self,
@@ -99,7 +95,7 @@ class DecoderOnlyTransformer(nn.Module):
     )
 
 
-def init_params(config: T5Config, rng: jax.Array) -> Any:
+def init_params(config: T5Config, rng: Array) -> PyTree:
   """Boxed initial params of `DecoderOnlyTransformer(config)` (`nn.LogicallyPartitioned` leaves)."""
   tokens = jnp.ones((1, 1), jnp.int32)  # [batch, length]
   variables = DecoderOnlyTransformer(config).init(

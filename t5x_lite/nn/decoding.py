@@ -28,15 +28,16 @@ Conventions shared by `temperature_sample` and `beam_search`:
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from t5x_lite.nn import losses
+from t5x_lite.core.types import PyTree
+from t5x_lite.kernels import reference
+from t5x_lite.kernels.base import ArgmaxFn
 
-PyTree = Any
 TokensToLogits = Callable[[jax.Array, PyTree], tuple[jax.Array, PyTree]]
 
 # Large finite stand-in for -inf: keeps beam arithmetic free of inf - inf = nan.
@@ -225,10 +226,12 @@ def _choose_tokens(
   logits: jax.Array,
   rng: jax.Array | None,
   blocked: jax.Array,
+  *,
   temperature: float,
   topk: int,
   topp: float,
   rescale_log_probs: bool,
+  argmax: ArgmaxFn,
 ) -> tuple[jax.Array, jax.Array]:
   """Picks one token per row of logits [rows, vocab], never a `blocked` [vocab] one.
 
@@ -240,7 +243,7 @@ def _choose_tokens(
   """
   model_log_probs = jax.nn.log_softmax(logits)  # [rows, vocab]
   if temperature == 0.0:
-    tokens = losses.first_argmax(jnp.where(blocked, NEG_INF, logits))  # [rows]
+    tokens = argmax(jnp.where(blocked, NEG_INF, logits))  # [rows]
     log_probs = model_log_probs
   else:
     scaled = jnp.where(blocked, NEG_INF, logits / temperature)  # [rows, vocab]
@@ -248,6 +251,8 @@ def _choose_tokens(
       scaled = _topk_mask(scaled, topk)
     if 0.0 < topp < 1.0:
       scaled = _topp_mask(scaled, topp)
+    if rng is None:
+      raise ValueError('sampling (temperature > 0) needs a PRNG key')
     tokens = jax.random.categorical(rng, scaled, axis=-1)  # [rows]
     log_probs = jax.nn.log_softmax(scaled) if rescale_log_probs else model_log_probs
   tokens = tokens.astype(jnp.int32)
@@ -280,6 +285,7 @@ def temperature_sample(
   max_decode_len: int | None = None,
   rescale_log_probs: bool = True,
   initial_step: int | jax.Array = 0,
+  argmax: ArgmaxFn = reference.argmax,
 ) -> tuple[jax.Array, jax.Array]:
   """Samples `num_decodes` continuations per batch row (greedy at temperature 0).
 
@@ -302,6 +308,7 @@ def temperature_sample(
       sampled from (True, as T5X) or under the model's unmodified softmax (False).
       Greedy always scores under the unmodified softmax.
     initial_step: 0-d int, the first output position decoded (see the module docstring).
+    argmax: greedy's argmax over the vocabulary: the network's kernels' (`Kernels.argmax`).
 
   Returns:
     (sequences [batch, num_decodes, length] int32, scores [batch, num_decodes]
@@ -323,7 +330,14 @@ def temperature_sample(
     blocked = _eos_blocked(logits.shape[-1], state.step, eos_id, min_decode_len)  # [vocab]
     rng = None if decode_rng is None else jax.random.fold_in(decode_rng, state.step)
     tokens, log_probs = _choose_tokens(
-      logits.astype(jnp.float32), rng, blocked, temperature, topk, topp, rescale_log_probs
+      logits.astype(jnp.float32),
+      rng,
+      blocked,
+      temperature=temperature,
+      topk=topk,
+      topp=topp,
+      rescale_log_probs=rescale_log_probs,
+      argmax=argmax,
     )  # [rows], [rows]
     forced = lax.dynamic_index_in_dim(prompt, state.step + 1, axis=1, keepdims=False)  # [rows]
     tokens = jnp.where(forced != 0, forced, tokens)
@@ -370,6 +384,7 @@ def greedy_decode(
   num_decodes: int = 1,
   min_decode_len: int = 0,
   max_decode_len: int | None = None,
+  argmax: ArgmaxFn = reference.argmax,
 ) -> tuple[jax.Array, jax.Array]:
   """Greedy decoding: `temperature_sample` at temperature 0 (same args and outputs)."""
   return temperature_sample(
@@ -382,6 +397,7 @@ def greedy_decode(
     temperature=0.0,
     min_decode_len=min_decode_len,
     max_decode_len=max_decode_len,
+    argmax=argmax,
   )
 
 

@@ -20,12 +20,14 @@ Pure functions (no jit, no mesh), following T5X's `t5x/losses.py`:
   microbatches and devices) and turned into ratios once at the end.
 """
 
-import functools
 from typing import Callable, Mapping, Union
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from t5x_lite.kernels import reference
+from t5x_lite.kernels.base import ArgmaxFn
 
 LossNormalizingFactor = Union[None, float, int, str]
 SPECIAL_LOSS_NORMALIZING_FACTORS = (
@@ -35,8 +37,7 @@ SPECIAL_LOSS_NORMALIZING_FACTORS = (
 )
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
-def cross_entropy_with_integer_labels(
+def _cross_entropy_with_integer_labels(
   logits: jax.Array, targets: jax.Array, confidence: float, low_confidence: float, z_loss: float
 ) -> tuple[jax.Array, jax.Array]:
   """Cross-entropy against label-smoothed one-hot targets, plus the z-loss.
@@ -62,6 +63,12 @@ def cross_entropy_with_integer_labels(
     logits, targets, confidence, low_confidence, z_loss
   )
   return loss, total_z_loss
+
+
+# A custom_vjp object (its own docstring is the function's above); its gradient below.
+cross_entropy_with_integer_labels = jax.custom_vjp(
+  _cross_entropy_with_integer_labels, nondiff_argnums=(2, 3, 4)
+)
 
 
 def _is_target(targets: jax.Array, logits: jax.Array) -> jax.Array:
@@ -177,6 +184,7 @@ def chunked_cross_entropy(
   label_smoothing: float = 0.0,
   z_loss: float = 0.0,
   loss_normalizing_factor: float | jax.Array | None = None,
+  argmax: ArgmaxFn = reference.argmax,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """`compute_weighted_cross_entropy` of `logits_fn(hidden)`, `chunk_length` positions
   at a time, without ever holding the whole [batch, length, vocab] logits.
@@ -195,6 +203,7 @@ def chunked_cross_entropy(
     weights: [batch, length] per-token weights.
     chunk_length: target positions per chunk, >= 1.
     label_smoothing, z_loss, loss_normalizing_factor: as `compute_weighted_cross_entropy`.
+    argmax: `token_correct`'s.
 
   Returns:
     (loss, z_loss_sum, correct): the scalar loss and z-loss part as
@@ -216,7 +225,7 @@ def chunked_cross_entropy(
     loss, z, _ = compute_weighted_cross_entropy(
       logits, t, w, label_smoothing, z_loss, loss_normalizing_factor
     )
-    return loss, z, token_correct(logits, t)
+    return loss, z, token_correct(logits, t, argmax)
 
   def body(totals: tuple[jax.Array, jax.Array], xs: tuple[jax.Array, ...]):
     loss, z, correct = chunk_loss(*xs)
@@ -230,33 +239,14 @@ def chunked_cross_entropy(
   return loss, z, correct
 
 
-def token_correct(logits: jax.Array, targets: jax.Array) -> jax.Array:
-  """[batch, length] bool: the logits' argmax is the target."""
-  return first_argmax(logits) == targets
+def token_correct(
+  logits: jax.Array, targets: jax.Array, argmax: ArgmaxFn = reference.argmax
+) -> jax.Array:
+  """[batch, length] bool: the logits' argmax is the target.
 
-
-def first_argmax(x: jax.Array) -> jax.Array:
-  """`jnp.argmax(x, axis=-1)`, as two reductions that XLA:CPU vectorises.
-
-  The index of the first maximum (of the first NaN, if a row has one), like
-  `jnp.argmax`. XLA:CPU runs `jnp.argmax`'s (value, index) reduction one element at a
-  time; a max, then the smallest index holding it, gives the same indices in less
-  than half the time on a Zen 4 (the float32 train step's [8, 114, 32128] logits:
-  68 -> 27 ms; a greedy decoding step's [8, 32128]: 0.69 -> 0.35 ms).
-
-  Args:
-    x: [..., n] floating point.
-
-  Returns:
-    [...] int32 indices.
+  `argmax` is the network's kernels' (`Kernels.argmax`); every set's gives the same ids.
   """
-  n = x.shape[-1]
-  top = jnp.max(x, axis=-1, keepdims=True)  # [..., 1]; XLA:CPU may skip NaNs
-  index = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)  # [..., n]
-  # One reduction: a NaN's key is its index, a maximum's its index + n, any other 2n.
-  key = jnp.where(jnp.isnan(x), index, jnp.where(x == top, index + n, 2 * n))  # [..., n]
-  first = jnp.min(key, axis=-1)  # [...]
-  return jnp.where(first >= n, first - n, first)
+  return argmax(logits) == targets
 
 
 def sum_weights_per_segment(segment_ids: jax.Array, weights: jax.Array) -> jax.Array:

@@ -10,20 +10,22 @@ on a leading 'layers' axis). Optional adapter layers (`adapter_dim`, T5 paper se
 """
 
 import dataclasses
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import cast
 
 import flax.linen as nn
 import gin
 from flax import traverse_util
-import jax
 import jax.numpy as jnp
 
-from t5x_lite.nn import blocks, layers
 from t5x_lite.core.errors import ConfigError
+from t5x_lite.core.types import Array, PyTree
+from t5x_lite.kernels import registry
+from t5x_lite.nn import blocks, layers
+from t5x_lite.nn.attention import CacheMode
 
-Array = jax.Array
-
-_DTYPES = {'float32': jnp.float32, 'bfloat16': jnp.bfloat16, 'float16': jnp.float16}
+# The names every dtype field of T5Config accepts.
+DTYPES = ('float32', 'bfloat16', 'float16')
 _REMAT_POLICIES = ('none', 'minimal', 'full')
 ARCHITECTURES = ('encoder_decoder', 'decoder_only', 'prefix_lm')
 
@@ -48,8 +50,8 @@ class T5Config:
     logits_via_embedding: tied logits (1.0) instead of decoder/logits_dense (1.1).
     relative_attention_num_buckets: buckets of the relative position bias.
     relative_attention_max_distance: distance at which the last bucket starts.
-    dtype: activation dtype name ('float32', 'bfloat16').
-    param_dtype: parameter dtype name.
+    dtype: activation (computation) dtype: one of `DTYPES`, e.g. 'float32', 'bfloat16'.
+    param_dtype: parameter (storage) dtype, one of `DTYPES`.
     remat_policy: 'none', 'minimal' (save matmul outputs without batch dims) or 'full'.
     scan_layers: scan over layers with stacked parameters.
     layer_norm_epsilon: RMSNorm epsilon.
@@ -59,8 +61,8 @@ class T5Config:
     relpos_bias_per_layer: every layer owns its relative position bias table
       (`layers_{i}/relpos_bias`, as flaxformer's scanned T5 has it) instead of one
       table per stack (`relpos_bias`, the T5 paper's and HF's model).
-    attention_logits_dtype: dtype name of the attention logits and softmax:
-      'float32' (T5X's `float32_logits=True`), or 'bfloat16' (flaxformer's
+    attention_logits_dtype: dtype of the attention logits and softmax, one of
+      `DTYPES`: 'float32' (T5X's `float32_logits=True`), or 'bfloat16' (flaxformer's
       default with bfloat16 activations; halves the largest activations of
       training, the [batch, heads, q, k] logits and weights).
     architecture: the T5 paper's three (section 3.2.1): 'encoder_decoder'
@@ -72,6 +74,11 @@ class T5Config:
       encoder layers' parameters (the paper's "encoder-decoder, shared":
       `shared_encoder_decoder.SharedTransformer`); needs as many decoder layers as
       encoder layers.
+    kernels: the backend implementations the layers compute with
+      (`t5x_lite.kernels.registry`): 'reference' (the plain math, every backend),
+      'xla_cpu' (tuned for XLA:CPU), or 'auto', the set for the backend jax runs on
+      (`registry.AUTO`: XLA:CPU's on CPU, else the reference). Every set computes the
+      same network to float rounding; the decode caches' layout is the set's.
   """
 
   vocab_size: int
@@ -96,15 +103,16 @@ class T5Config:
   attention_logits_dtype: str = 'float32'
   architecture: str = 'encoder_decoder'
   share_encoder_decoder: bool = False
+  kernels: str = 'auto'
 
   def __post_init__(self):
     # JSON round trips turn tuples into lists; keep the config hashable.
     object.__setattr__(self, 'mlp_activations', tuple(self.mlp_activations))
     for name in ('dtype', 'param_dtype', 'attention_logits_dtype'):
-      if getattr(self, name) not in _DTYPES:
-        raise ConfigError(
-          f'T5Config.{name} must be one of {sorted(_DTYPES)}, got {getattr(self, name)!r}'
-        )
+      if getattr(self, name) not in DTYPES:
+        raise ConfigError(f'T5Config.{name} must be one of {DTYPES}, got {getattr(self, name)!r}')
+    if self.kernels not in registry.NAMES:
+      raise ConfigError(f'T5Config.kernels must be one of {registry.NAMES}, got {self.kernels!r}')
     if self.remat_policy not in _REMAT_POLICIES:
       raise ConfigError(
         f'T5Config.remat_policy must be one of {_REMAT_POLICIES}, got {self.remat_policy!r}'
@@ -135,21 +143,6 @@ class T5Config:
         'T5Config.relative_attention_max_distance must exceed half the buckets '
         '(the exact range of the causal bucketing)'
       )
-
-  @property
-  def activation_dtype(self) -> Any:
-    """The jnp dtype of activations."""
-    return _DTYPES[self.dtype]
-
-  @property
-  def parameter_dtype(self) -> Any:
-    """The jnp dtype of parameters."""
-    return _DTYPES[self.param_dtype]
-
-  @property
-  def attention_logits_jnp_dtype(self) -> Any:
-    """The jnp dtype of attention logits and softmax."""
-    return _DTYPES[self.attention_logits_dtype]
 
 
 def _segment_mask(query_segments: Array | None, key_segments: Array | None) -> Array | None:
@@ -219,25 +212,29 @@ class Encoder(nn.Module):
 def token_embedder(config: T5Config) -> layers.Embed:
   """The token embedding shared by the encoder, the decoder and tied logits."""
   return layers.Embed(
-    config.vocab_size, config.emb_dim, config.activation_dtype, config.parameter_dtype
+    num_embeddings=config.vocab_size,
+    features=config.emb_dim,
+    kernels=blocks.kernels(config),
+    dtype=config.dtype,
+    param_dtype=config.param_dtype,
   )
 
 
 def _logits_dense(config: T5Config, name: str | None = None) -> layers.Projection:
   """The untied output layer (T5 1.1): [..., embed] -> float32 [..., vocab]."""
   return layers.Projection(
-    (config.emb_dim, config.vocab_size),
-    '...e,ev->...v',
-    ('embed', 'vocab'),
-    layers.mlp_kernel_init(),
-    config.activation_dtype,
-    config.parameter_dtype,
+    features=(config.vocab_size,),
+    kernel_axes=('embed', 'vocab'),
+    kernel_init=layers.mlp_kernel_init(),
+    kernels=blocks.kernels(config),
+    dtype=config.dtype,
+    param_dtype=config.param_dtype,
     out_dtype=jnp.float32,
     name=name,
   )
 
 
-def apply_logits_head(config: T5Config, params: Any, hidden: Array) -> Array:
+def apply_logits_head(config: T5Config, params: PyTree, hidden: Array) -> Array:
   """The decoder's output layer on its final hidden states, outside the network.
 
   Computes what the decoder's last step computes (`_output_layer`), from the params
@@ -254,16 +251,16 @@ def apply_logits_head(config: T5Config, params: Any, hidden: Array) -> Array:
   Returns:
     float32 logits [..., length, vocab].
   """
-  return _output_layer(
-    config,
-    hidden,
-    attend=lambda q: token_embedder(config).apply(
-      {'params': params['token_embedder']}, q, method='attend'
-    ),
-    logits_dense=lambda h: _logits_dense(config).apply(
-      {'params': params['decoder']['logits_dense']}, h
-    ),
-  )
+
+  def attend(query: Array) -> Array:
+    variables = {'params': params['token_embedder']}
+    return cast(Array, token_embedder(config).apply(variables, query, method='attend'))
+
+  def logits_dense(h: Array) -> Array:
+    variables = {'params': params['decoder']['logits_dense']}
+    return cast(Array, _logits_dense(config).apply(variables, h))
+
+  return _output_layer(config, hidden, attend=attend, logits_dense=logits_dense)
 
 
 def _output_layer(
@@ -331,7 +328,7 @@ class Decoder(nn.Module):
     cross_mask_bias = None
     if encoder_input_tokens is not None and encoder_input_tokens.shape[0] != valid.shape[0]:
       # The cache-creating call of decodes that share their row's encoder output
-      # (see layers.MultiHeadAttention): no target padding, no packing.
+      # (see attention.MultiHeadAttention): no target padding, no packing.
       cross_mask_bias = _encoder_padding_bias(encoder_input_tokens)
     elif encoder_input_tokens is not None:
       cross_mask = layers.combine_masks(
@@ -353,16 +350,22 @@ class Decoder(nn.Module):
     )
 
   def _decode_state(
-    self, decoder_input_tokens: Array, decoder_only: bool, prefill: bool
-  ) -> tuple[Array | None, Array | None]:
-    """Advances the decode caches' bookkeeping; returns (decode_position, prefilled).
+    self, decoder_input_tokens: Array, decoder_only: bool, decode: bool, prefill: bool
+  ) -> tuple[CacheMode, Array | None, Array | None]:
+    """The call's `CacheMode`; advances the caches' bookkeeping.
 
-    decode_position: this step's 0-d position, None in the cache-creating call and in
-    a prefill. prefilled [batch] (decoder-only models): rows whose slot at
-    decode_position holds their prefilled prompt, which the step must not overwrite.
-    A prefill moves `cache_index` to the shortest prompt's last position: every row
-    is forced up to there, so decoding starts there (`decoding`'s `initial_step`).
+    Returns:
+      (mode, decode_position, prefilled). In a STEP, decode_position is its 0-d
+      position and prefilled [batch] (decoder-only models) marks the rows whose slot
+      at decode_position holds their prefilled prompt, which the step must not
+      overwrite; both None in the other modes. A prefill moves `cache_index` to the
+      shortest prompt's last position: every row is forced up to there, so decoding
+      starts there (`decoding`'s `initial_step`).
     """
+    if not decode:
+      if prefill:
+        raise ValueError('prefill=True needs decode=True (and a created cache).')
+      return CacheMode.NONE, None, None
     initialized = self.has_variable('cache', 'cache_index')
     cache_index = self.variable('cache', 'cache_index', lambda: jnp.array(0, jnp.int32))
     prefill_length = None
@@ -375,13 +378,13 @@ class Decoder(nn.Module):
         raise ValueError('prefill needs a decoder-only model whose cache was created.')
       prefill_length.value = layers.prompt_end(decoder_input_tokens) + 1  # [batch]
       cache_index.value = jnp.min(prefill_length.value) - 1
-      return None, None
+      return CacheMode.PREFILL, None, None
     if not initialized:
-      return None, None
+      return CacheMode.INIT, None, None
     decode_position = cache_index.value
     cache_index.value = decode_position + 1
     prefilled = None if prefill_length is None else decode_position < prefill_length.value
-    return decode_position, prefilled
+    return CacheMode.STEP, decode_position, prefilled
 
   @nn.compact
   def __call__(
@@ -415,12 +418,10 @@ class Decoder(nn.Module):
     """
     del decoder_positions
     cfg = self.config
-    decode_position, prefilled = None, None
-    if decode:
-      decode_position, prefilled = self._decode_state(
-        decoder_input_tokens, encoded is None, prefill
-      )
-    if decode_position is None:
+    mode, decode_position, prefilled = self._decode_state(
+      decoder_input_tokens, encoded is None, decode, prefill
+    )
+    if mode is not CacheMode.STEP:
       self_mask_bias, position_bias, cross_mask_bias = self._full_biases(
         encoder_input_tokens,
         decoder_input_tokens,
@@ -452,8 +453,8 @@ class Decoder(nn.Module):
       decode_position,
       prefilled,
       deterministic=deterministic,
-      decode=decode,
-      cache_length=max_decode_length if decode else None,
+      mode=mode,
+      cache_length=max_decode_length if mode is CacheMode.INIT else None,
     )
     x = blocks.norm(cfg, 'decoder_norm', in_layer=False)(x)
     x = nn.Dropout(rate=cfg.dropout_rate, broadcast_dims=(-2,))(x, deterministic=deterministic)
@@ -474,8 +475,8 @@ class Transformer(nn.Module):
     if cfg.architecture != 'encoder_decoder':
       raise ValueError(f'Transformer is the encoder-decoder; got architecture {cfg.architecture!r}')
     self.token_embedder = token_embedder(cfg)
-    self.encoder = Encoder(cfg, self.token_embedder)
-    self.decoder = Decoder(cfg, self.token_embedder)
+    self.encoder = Encoder(config=cfg, shared_embedding=self.token_embedder)
+    self.decoder = Decoder(config=cfg, shared_embedding=self.token_embedder)
 
   def encode(
     self,
@@ -514,7 +515,7 @@ class Transformer(nn.Module):
     attends to the cache and advances the decoder's `cache_index`. In decode mode
     `encoded` and `encoder_input_tokens` may also have batch / d rows, each shared by
     d consecutive decoder rows (samples or beams): the cross-attention caches then
-    hold one projection per batch row (see `layers.MultiHeadAttention`).
+    hold one projection per batch row (see `attention.MultiHeadAttention`).
     """
     return self.decoder(
       encoded,
@@ -560,7 +561,7 @@ class Transformer(nn.Module):
     )
 
 
-def init_params(config: T5Config, rng: jax.Array) -> Any:
+def init_params(config: T5Config, rng: Array) -> PyTree:
   """Boxed initial params of `Transformer(config)` (`nn.LogicallyPartitioned` leaves).
 
   No parameter depends on sequence lengths, so one-token inputs initialise them all.
@@ -572,7 +573,7 @@ def init_params(config: T5Config, rng: jax.Array) -> Any:
   return variables["params"]
 
 
-def adapter_params(params: Any) -> dict[str, Any]:
+def adapter_params(params: PyTree) -> dict[str, PyTree]:
   """The adapter parameters of a params tree, nested as there (empty without adapters).
 
   They are what a checkpoint of the same network without adapters lacks

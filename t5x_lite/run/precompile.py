@@ -36,6 +36,7 @@ import jax
 import jax.numpy as jnp
 
 from t5x_lite import models
+from t5x_lite.kernels import registry
 from t5x_lite.nn import flops
 from t5x_lite.data import pipeline
 from t5x_lite.training import optimizers, partitioning, throughput, trainer
@@ -452,9 +453,10 @@ def precompile_train_step(
     * dataset_cfg.batch_size
     * (inputs + targets)
   )
-  lowered = lower_train_step(
-    model, optimizer, pipeline.model_input_shapes(dataset_cfg), partitioner, num_microbatches
-  )
+  with registry.compiling_for("tpu"):  # T5Config.kernels 'auto': the TPU's kernels
+    lowered = lower_train_step(
+      model, optimizer, pipeline.model_input_shapes(dataset_cfg), partitioner, num_microbatches
+    )
   memory, error, xla_flops, xla_bytes = None, None, None, None
   try:
     compiled = lowered.compile()

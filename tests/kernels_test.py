@@ -1,0 +1,172 @@
+"""The kernel seam: `T5Config.kernels` selects a set, and every set computes the same network.
+
+'reference' is the plain math; 'xla_cpu' must agree with it to float tolerance on the
+loss, every gradient and the greedy and beam decodes of a tiny model.
+"""
+
+import dataclasses
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from t5x_lite import models
+from t5x_lite.core.errors import ConfigError
+from t5x_lite.kernels import reference, registry, xla_cpu
+from t5x_lite.kernels.base import CacheLayouts
+from t5x_lite.nn import decoder_only, network
+from tiny_models import tiny_config
+
+
+@dataclasses.dataclass(frozen=True)
+class _Vocab:
+  vocab_size: int = 64
+  eos_id: int = 1
+
+
+def test_auto_resolves_to_xla_cpu_on_cpu_and_reference_elsewhere(monkeypatch):
+  assert jax.default_backend() == "cpu"
+  assert registry.select("auto") is xla_cpu.KERNELS
+  assert registry.select("reference") is reference.KERNELS
+  assert registry.select("xla_cpu") is xla_cpu.KERNELS
+  for backend in ("gpu", "tpu"):
+    monkeypatch.setattr(jax, "default_backend", lambda b=backend: b)
+    assert registry.select("auto") is reference.KERNELS
+
+
+def test_auto_resolves_for_the_backend_a_program_is_compiled_for():
+  """The TPU precompiler traces on the CPU: 'auto' must give the TPU's kernels there."""
+  with registry.compiling_for("tpu"):
+    assert registry.select("auto") is reference.KERNELS
+    assert registry.select("xla_cpu") is xla_cpu.KERNELS  # a named set stays named
+  assert registry.select("auto") is xla_cpu.KERNELS
+
+
+def test_an_unknown_kernels_name_is_one_config_error():
+  with pytest.raises(ConfigError, match=r"T5Config.kernels must be one of \('auto', 'reference'"):
+    tiny_config(kernels="cudnn")
+
+
+def test_cache_layouts_must_be_batch_first_permutations():
+  with pytest.raises(ValueError, match="self_key"):
+    CacheLayouts(self_key="kbhd")
+  with pytest.raises(ValueError, match="cross_value"):
+    CacheLayouts(cross_value="bkh")
+
+
+def _batch(rng: np.random.Generator) -> dict[str, np.ndarray]:
+  inputs = rng.integers(2, 64, (3, 12)).astype(np.int32)
+  inputs[0, 9:] = 0
+  targets = rng.integers(2, 64, (3, 7)).astype(np.int32)
+  targets[1, 5:] = 0
+  return {
+    "encoder_input_tokens": inputs,
+    "decoder_input_tokens": np.pad(targets[:, :-1], ((0, 0), (1, 0))),
+    "decoder_target_tokens": targets,
+    "decoder_loss_weights": (targets > 0).astype(np.float32),
+  }
+
+
+def _model(config: network.T5Config) -> models.EncoderDecoderModel:
+  return models.EncoderDecoderModel(network.Transformer(config), _Vocab(), _Vocab())
+
+
+def _run(config: network.T5Config, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+  """Loss, metric sums and gradients of one batch; greedy and beam decodes of its inputs."""
+  model = _model(config)
+  params = nn.meta.unbox(model.init_params(jax.random.PRNGKey(0)))
+  grad_fn = jax.jit(jax.value_and_grad(lambda p: model.loss_fn(p, batch, None), has_aux=True))
+  (loss, sums), grads = grad_fn(params)
+  prompt = {
+    "encoder_input_tokens": batch["encoder_input_tokens"],
+    "decoder_input_tokens": np.zeros((3, 6), np.int32),
+  }
+  greedy, greedy_aux = jax.jit(lambda p: model.predict_batch_with_aux(p, prompt))(params)
+  beam, beam_aux = jax.jit(
+    lambda p: model.predict_batch_with_aux(p, prompt, num_decodes=3, decode_fn="beam")
+  )(params)
+  out = {"loss": loss, "greedy": greedy, "beam": beam}
+  out |= {"greedy_scores": greedy_aux["scores"], "beam_scores": beam_aux["scores"]}
+  out |= {f"sums/{k}": v for k, v in sums.items()}
+  for path, leaf in jax.tree_util.tree_leaves_with_path(grads):
+    out[f"grad{jax.tree_util.keystr(path)}"] = leaf
+  return {k: np.asarray(v, np.float32) for k, v in out.items()}
+
+
+@pytest.mark.parametrize(
+  "overrides, rtol",
+  [
+    ({}, 1e-5),  # T5 1.1: gated GELU, untied logits
+    ({"mlp_activations": ("relu",), "logits_via_embedding": True, "adapter_dim": 8}, 1e-5),
+    ({"dtype": "bfloat16", "scan_layers": True, "remat_policy": "minimal"}, 3e-2),
+  ],
+)
+def test_xla_cpu_agrees_with_reference_on_loss_gradients_and_decodes(overrides, rtol):
+  batch = _batch(np.random.default_rng(0))
+  ours = _run(tiny_config(kernels="xla_cpu", **overrides), batch)
+  ref = _run(tiny_config(kernels="reference", **overrides), batch)
+  assert ours.keys() == ref.keys()
+  for name in ("greedy", "beam"):
+    np.testing.assert_array_equal(ours[name], ref[name], err_msg=name)
+  assert (ours["greedy"] > 0).any()  # decodes that produced tokens, not only padding
+  for name, want in ref.items():
+    scale = max(float(np.abs(want).max()), 1e-6)
+    np.testing.assert_allclose(ours[name], want, rtol=rtol, atol=rtol * scale, err_msg=name)
+
+
+def test_xla_cpu_agrees_with_reference_in_a_prefilled_decoder_only_decode():
+  config = tiny_config(num_encoder_layers=0, architecture="prefix_lm")
+  rng = np.random.default_rng(1)
+  tokens = rng.integers(2, 64, (3, 10)).astype(np.int32)
+  prefix = np.zeros((3, 10), np.int32)
+  prefix[:, :4] = 1
+  prefix[2, :6] = 1
+  batch = {"decoder_input_tokens": tokens, "decoder_causal_attention": prefix}
+  decodes = {}
+  for kernels in ("xla_cpu", "reference"):
+    cfg = dataclasses.replace(config, kernels=kernels)
+    model = models.DecoderOnlyModel(decoder_only.DecoderOnlyTransformer(cfg), _Vocab(), _Vocab())
+    params = nn.meta.unbox(model.init_params(jax.random.PRNGKey(0)))
+    decodes[kernels] = jax.jit(
+      lambda p, m=model: m.predict_batch_with_aux(p, batch, decoder_params={"max_decode_len": 5})
+    )(params)
+  np.testing.assert_array_equal(decodes["xla_cpu"][0], decodes["reference"][0])
+  np.testing.assert_allclose(
+    decodes["xla_cpu"][1]["scores"], decodes["reference"][1]["scores"], rtol=1e-5
+  )
+
+
+@pytest.mark.parametrize("kernels", ["reference", "xla_cpu"])
+def test_the_decode_caches_take_the_kernels_layout(kernels):
+  config = tiny_config(kernels=kernels)
+  layouts = registry.select(kernels).cache
+  model = network.Transformer(config)
+  encoder_tokens = jnp.ones((2, 5), jnp.int32)
+  params = model.init(jax.random.PRNGKey(0), encoder_tokens, encoder_tokens[:, :3], None)
+  encoded = model.apply(params, encoder_tokens, method=network.Transformer.encode)
+  _, variables = model.apply(
+    params,
+    encoded,
+    encoder_tokens,
+    jnp.ones((2, 1), jnp.int32),
+    decode=True,
+    max_decode_length=11,
+    mutable=["cache"],
+    method=network.Transformer.decode,
+  )
+  layer = variables["cache"]["decoder"]["layers_0"]
+  sizes = {"b": 2, "h": 4, "d": 8}
+  for attention, length, key_axes, value_axes in (
+    ("self_attention", 11, layouts.self_key, layouts.self_value),
+    ("encoder_decoder_attention", 5, layouts.cross_key, layouts.cross_value),
+  ):
+    for name, axes in (("cached_key", key_axes), ("cached_value", value_axes)):
+      want = tuple({**sizes, "k": length}[a] for a in axes)
+      assert layer[attention][name].shape == want, (attention, name, axes)
+  if kernels == "xla_cpu":  # heads-major caches, the cross-attention key kv-major
+    assert layer["self_attention"]["cached_key"].shape == (2, 4, 11, 8)
+    assert layer["encoder_decoder_attention"]["cached_key"].shape == (2, 4, 8, 5)
+  else:  # as the projections give them: [batch, length, heads, kv]
+    assert layer["self_attention"]["cached_key"].shape == (2, 11, 4, 8)
