@@ -48,6 +48,10 @@ RATES = (
   "data_vs_train_consumption",
   "max_rss_mib",
   "max_rss_mib_ours",
+  "kernels_reference_train_tokens_per_s",
+  "kernels_reference_greedy_tokens_per_s",
+  "kernels_reference_beam_tokens_per_s",
+  "train_speedup_vs_kernels_reference",
 )
 
 
@@ -87,7 +91,7 @@ def result(tmp_path_factory) -> tuple[dict, str]:
   pytest.importorskip("torch")
   pytest.importorskip("transformers")
   out = tmp_path_factory.mktemp("bench") / "bench.json"
-  proc = run_benchmark_tool(out, "--data_batches=2", "--compare_hf")
+  proc = run_benchmark_tool(out, "--data_batches=2", "--compare_hf", "--kernels=auto,reference")
   assert proc.returncode == 0, proc.stderr[-4000:]
   return json.loads(out.read_text()), proc.stdout
 
@@ -106,6 +110,9 @@ def test_same_model_both_sides(result):
   assert figures["num_params"] == figures["hf_num_params"]
   # Same weights, same greedy argmax: the decodes agree almost everywhere.
   assert figures["greedy_token_agreement"] >= 0.5
+  assert figures["kernels"] == "xla_cpu"  # 'auto' on the CPU
+  # Another kernel set computes the same network: its greedy decodes agree.
+  assert figures["kernels_reference_greedy_token_agreement"] == 1.0
   assert figures["train_tokens_per_step"] == 2 * (16 + 8)
   assert figures["settings"]["decode_length"] == 3
 
@@ -171,6 +178,22 @@ def test_t5x_figures_become_ratios_mfu_and_columns():
   assert train[-2:] == ["48", "2"]  # T5X's tokens/s, ours/T5X
   assert "gather (--t5x_one_hot=false) embedding" in "\n".join(table)
   assert "T5X" not in benchmark.format_table({k: v for k, v in r.items() if "t5x" not in k})
+
+
+def test_other_kernel_sets_become_ratios_and_columns():
+  s = tiny_settings(compare_kernels=("reference",))
+  raw = {"train_step_s": 0.5, "greedy_s": 0.2, "jax_peak_flops": 1e11, "kernels": "xla_cpu"}
+  raw |= {"kernels_reference_train_step_s": 1.0, "kernels_reference_greedy_s": 0.1}
+  r = {**raw, **benchmark.derive(s, raw), "settings": {"compare_kernels": ["reference"]}}
+  step_flops = flops.flops_per_token(s.config, 16, 8) * 2 * (16 + 8)
+  assert r["kernels_reference_train_mfu"] == pytest.approx(step_flops / 1.0 / 1e11)
+  assert r["train_speedup_vs_kernels_reference"] == pytest.approx(2.0)
+  assert r["greedy_speedup_vs_kernels_reference"] == pytest.approx(0.5)
+  table = benchmark.format_table(r).splitlines()
+  assert table[0].split() == ["t5x_lite", "HF", "torch", "ours/HF", "reference", "ours/reference"]
+  train = next(line for line in table if line.startswith("train tokens/s")).split()
+  assert train[-2:] == ["48", "2"]  # the reference's tokens/s, ours/reference
+  assert "t5x_lite kernels: xla_cpu (--kernels)" in table
 
 
 def fake_interpreter(tmp_path: pathlib.Path, body: str) -> str:

@@ -23,6 +23,12 @@ Measures, after warm-up, the median over --reps repetitions of:
   * train-step compile time (jax's trace + lowering + backend compile events) and peak
     resident memory (`ru_maxrss`, process-wide: jax, torch and tf.data together).
 
+`--kernels=xla_cpu,reference` measures our train step and decodes with each
+`T5Config.kernels` set ('auto' picks the backend's): the first is the t5x_lite column,
+every other one gets a column with the ratio of the first to it; all train steps are
+timed in turn, and `kernels_<name>_greedy_token_agreement` says how often the greedy
+decodes agree.
+
 HF runs in this process, on the same random weights (ours, written with
 `hf.save_hf`); torch uses as many threads as XLA's CPU backend (the cores this
 process may run on).
@@ -44,6 +50,7 @@ Its MFU is over a matmul peak measured in its process the same way.
   python tools/benchmark.py --compare_hf --json=/tmp/bench.json
   python tools/benchmark.py --gin_file=models/t5_1_1/tiny.gin --batch_size=2 \
       --input_length=32 --target_length=8 --decode_length=4 --reps=2 --compare_hf
+  python tools/benchmark.py --kernels=xla_cpu,reference --skip=data --json=/tmp/kernels.json
   python tools/benchmark.py --compare_t5x=$HOME/t5x_peer/venv/bin/python --skip=data \
       --json=/tmp/bench_t5x.json
 """
@@ -69,6 +76,7 @@ from absl import app, flags
 
 from t5x_lite import cli, models
 from t5x_lite.core import errors, gin_config
+from t5x_lite.kernels import registry
 from t5x_lite.nn import flops, network
 from t5x_lite.training import optimizers
 from t5x_lite.interop import hf
@@ -107,6 +115,12 @@ _DATA_TASK = flags.DEFINE_string(
 )
 _DATA_BATCHES = flags.DEFINE_integer("data_batches", 30, "Batches timed in the pipeline.")
 _SKIP = flags.DEFINE_list("skip", [], "Figures to skip: train, decode, data.")
+_KERNELS = flags.DEFINE_list(
+  "kernels",
+  ["auto"],
+  "T5Config.kernels sets to measure: the first is the t5x_lite column, each other one "
+  "(e.g. --kernels=xla_cpu,reference) gets a column with the ratio of the first to it.",
+)
 
 DEFAULT_GIN_FILE = "models/t5_1_1/small.gin"
 _COMPILE_EVENTS = (
@@ -139,6 +153,8 @@ class Settings:
     data_task: task of the pipeline figure ('' skips it).
     data_batches: batches timed in the pipeline.
     skip: figures not measured ('train', 'decode', 'data').
+    compare_kernels: other `T5Config.kernels` sets measured beside the config's own
+      (train and decode figures, keys prefixed 'kernels_<name>_').
   """
 
   config: network.T5Config
@@ -159,6 +175,7 @@ class Settings:
   data_task: str = "cpython_span_corruption"
   data_batches: int = 30
   skip: tuple[str, ...] = ()
+  compare_kernels: tuple[str, ...] = ()
 
 
 def time_median(fn: Callable[[], Any], reps: int, warmup: int) -> tuple[float, list[float]]:
@@ -506,8 +523,14 @@ def _ratio(numerator: float | None, denominator: float | None) -> float | None:
   return numerator / denominator
 
 
-# The matmul peak each side's MFU is computed against (each measured in its own framework).
+# The matmul peak each side's MFU is computed against (each measured in its own framework);
+# other kernel sets ('kernels_<name>_') are ours, against jax's.
 _PEAK_KEYS = {"": "jax_peak_flops", "hf_": "torch_peak_flops", "t5x_": "t5x_peak_flops"}
+
+
+def _kernel_peers(compare_kernels: Sequence[str]) -> list[str]:
+  """The figure-key stems of the other kernel sets: 'kernels_<name>'."""
+  return [f"kernels_{name}" for name in compare_kernels]
 
 
 def derive(s: Settings, raw: dict[str, Any]) -> dict[str, Any]:
@@ -518,7 +541,8 @@ def derive(s: Settings, raw: dict[str, Any]) -> dict[str, Any]:
   )
   decoded = s.batch_size * s.decode_length
   out = {"train_tokens_per_step": tokens_per_step, "train_flops_per_step": flops_per_step}
-  for prefix, peak_key in _PEAK_KEYS.items():
+  peaks = {**_PEAK_KEYS, **{f"{k}_": "jax_peak_flops" for k in _kernel_peers(s.compare_kernels)}}
+  for prefix, peak_key in peaks.items():
     step = raw.get(f"{prefix}train_step_s")
     peak = raw.get(peak_key)
     if step:
@@ -528,7 +552,7 @@ def derive(s: Settings, raw: dict[str, Any]) -> dict[str, Any]:
     for name in ("greedy", "beam"):
       if raw.get(f"{prefix}{name}_s"):
         out[f"{prefix}{name}_tokens_per_s"] = decoded / raw[f"{prefix}{name}_s"]
-  for peer in ("hf", "t5x"):
+  for peer in ("hf", "t5x", *_kernel_peers(s.compare_kernels)):
     for name in ("train", "greedy", "beam"):
       out[f"{name}_speedup_vs_{peer}"] = _ratio(
         out.get(f"{name}_tokens_per_s"), out.get(f"{peer}_{name}_tokens_per_s")
@@ -542,7 +566,7 @@ def derive(s: Settings, raw: dict[str, Any]) -> dict[str, Any]:
 
 def run_benchmark(s: Settings) -> dict[str, Any]:
   """Measures every figure of `s`; returns one flat dict (raw and derived)."""
-  dtype = s.config.activation_dtype
+  dtype = jax.numpy.dtype(s.config.dtype)
   raw: dict[str, Any] = {
     "backend": jax.default_backend(),
     "device_kind": jax.devices()[0].device_kind,
@@ -555,18 +579,32 @@ def run_benchmark(s: Settings) -> dict[str, Any]:
   if s.compare_t5x:  # first: a peer that cannot run fails before the long measurements
     raw.update(run_t5x_peer(s))
   raw["jax_peak_flops"] = throughput.measure_matmul_flops(s.matmul_size, dtype, s.reps)
+  raw["kernels"] = registry.select(s.config.kernels).name
   model = make_model(s.config)
+  # by key prefix: "" ours, "kernels_<name>_" ours with other kernels, "hf_"
+  others = {
+    f"{peer}_": make_model(dataclasses.replace(s.config, kernels=name))
+    for peer, name in zip(_kernel_peers(s.compare_kernels), s.compare_kernels)
+  }
   holder: dict[str, Any] = {}
-  train_steps: dict[str, Callable[[], None]] = {}  # by key prefix: "" ours, "hf_"
+  train_steps: dict[str, Callable[[], None]] = {}
   if "train" not in s.skip:
     train_steps[""], compile_figures = prepare_ours_train(s, model, holder)
     raw.update(compile_figures)
+    for prefix, other in others.items():
+      train_steps[prefix], compile_figures = prepare_ours_train(s, other, {})
+      raw.update({prefix + k: v for k, v in compile_figures.items()})
   else:
     holder["params"] = jax.device_get(nn.meta.unbox(model.init_params(jax.random.PRNGKey(0))))
   raw["num_params"] = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(holder["params"]))
   if "decode" not in s.skip:
     ours_decode = measure_ours_decode(s, model, holder["params"])
     raw.update({k: v for k, v in ours_decode.items() if k.endswith("_s")})
+    for prefix, other in others.items():
+      decoded = measure_ours_decode(s, other, holder["params"])
+      raw.update({prefix + k: v for k, v in decoded.items() if k.endswith("_s")})
+      agreement = np.mean(decoded["greedy_tokens"] == ours_decode["greedy_tokens"])
+      raw[f"{prefix}greedy_token_agreement"] = float(agreement)
   raw["max_rss_mib_ours"] = max_rss_mib()
   if s.compare_hf:
     import torch
@@ -625,19 +663,32 @@ def _fmt(value: Any) -> str:
 
 
 def format_table(r: dict[str, Any]) -> str:
-  """A plain-text table of the main figures (T5X's columns when it was measured)."""
+  """A plain-text table of the main figures (T5X's columns when it was measured, one
+  column per other kernel set)."""
   peers = [("HF torch", "HF", "hf")] + ([("T5X", "T5X", "t5x")] if "t5x_num_params" in r else [])
-  lines = [f"{'':26}{'t5x_lite':>14}" + "".join(f"{n:>14}{'ours/' + a:>10}" for n, a, _ in peers)]
+  compare_kernels = r.get("settings", {}).get("compare_kernels", ())
+  peers += [
+    (name, name, peer) for name, peer in zip(compare_kernels, _kernel_peers(compare_kernels))
+  ]
+  widths = [max(10, len(a) + 6) for _, a, _ in peers]  # of the ratio columns
+  lines = [
+    f"{'':26}{'t5x_lite':>14}"
+    + "".join(f"{n:>14}{'ours/' + a:>{w}}" for (n, a, _), w in zip(peers, widths))
+  ]
   for label, key, ratio in _ROWS:
     scale = 1e-9 if "GFLOP" in label else 1.0
     line = f"{label:26}"
-    for prefix in [""] + [f"{p}_" for _, _, p in peers]:
-      value = r.get(_PEAK_KEYS[prefix] if key == "peak_flops" else prefix + key)
+    for prefix, w in zip([""] + [f"{p}_" for _, _, p in peers], [0] + widths):
+      value = r.get(
+        _PEAK_KEYS.get(prefix, "jax_peak_flops") if key == "peak_flops" else prefix + key
+      )
       line += f"{_fmt(None if value is None else value * scale):>14}"
       if prefix:
-        line += f"{_fmt(r.get(f'{ratio}_speedup_vs_{prefix[:-1]}')) if ratio else '':>10}"
+        line += f"{_fmt(r.get(f'{ratio}_speedup_vs_{prefix[:-1]}')) if ratio else '':>{w}}"
     lines.append(line)
   lines += [f"{label:26}{_fmt(r.get(key)):>14}" for label, key in _EXTRAS if key in r]
+  if "kernels" in r:
+    lines.append(f"t5x_lite kernels: {r['kernels']} (--kernels)")
   if "t5x_one_hot" in r:
     embedding = "one-hot (--t5x_one_hot)" if r["t5x_one_hot"] else "gather (--t5x_one_hot=false)"
     gin_file, bindings = r["t5x_gin_file"].split("/")[-1], r["t5x_gin_bindings"]
@@ -661,7 +712,12 @@ def main(argv: Sequence[str]) -> None:
   if _COMPARE_HF.value or _COMPARE_T5X.value:  # on a GPU, jax would take 75% up front
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
   gin_config.parse_gin_flags(default_files=[DEFAULT_GIN_FILE])
-  config = dataclasses.replace(network.T5Config(), dtype=_resolve_dtype(_DTYPE.value))
+  kernels, *compare_kernels = _KERNELS.value or ["auto"]
+  config = dataclasses.replace(
+    network.T5Config(), dtype=_resolve_dtype(_DTYPE.value), kernels=kernels
+  )
+  for name in compare_kernels:  # a bad name fails before any measurement
+    dataclasses.replace(config, kernels=name)
   settings = Settings(
     config=config,
     batch_size=_BATCH.value,
@@ -681,6 +737,7 @@ def main(argv: Sequence[str]) -> None:
     data_task=_DATA_TASK.value,
     data_batches=_DATA_BATCHES.value,
     skip=tuple(_SKIP.value),
+    compare_kernels=tuple(compare_kernels),
   )
   result = run_benchmark(settings)
   print(format_table(result))
