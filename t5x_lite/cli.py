@@ -8,7 +8,12 @@ T5X-style flags: --gin_file, --gin_bindings, --gin.NAME=VALUE and
   --coordinator_address, --process_count, --process_index
                             multi-host: passed to jax.distributed.initialize
 
-`run` also adds `CPU_XLA_FLAGS` to XLA_FLAGS (see there) unless XLA_FLAGS sets them.
+  --huge_pages              restart once with huge-page malloc (`console.restart_with_huge_pages`)
+
+Nothing here changes the process on its own: the entry point's `console.quiet_startup()`
+call makes the start-up choices, `setup` logs them, and the kernels' XLA options travel
+with each compiled program, so a run from the command line and one from Python compile
+the same programs.
 
 Use:  `cli.run(main)` in an entry point; `main` calls `cli.setup()` first
 (`gin_entry_point(run)` is such a `main`).
@@ -16,7 +21,6 @@ Use:  `cli.run(main)` in an entry point; `main` calls `cli.setup()` first
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Sequence
 
 import gin
@@ -31,23 +35,6 @@ from t5x_lite.core.gin_config import check_required_macros, parse_gin_flags, res
 _GIN_MISSING_BINDINGS = "Required bindings for"
 # T5X's gin macro for the module(s) that register the run's tasks.
 TASK_MODULE_MACRO = "MIXTURE_OR_TASK_MODULE"
-# XLA:CPU options `run` adds to XLA_FLAGS, before jax starts a backend, unless
-# XLA_FLAGS already names them (README, "Without XLA:CPU's tree reduction rewriter").
-# - YNNPACK's reduce fusion is slow on leading-axis sums: in a T5 1.1 small train step
-#   (batch 8, 512/114, 2 cores) the relative-bias gradient, a sum over batch and layers
-#   of [8, 6, 512, 512], took 1.9 s of 15 s; XLA's own reduction loops take ~0.1 s.
-#   YNNPACK keeps the dots and elementwise fusions. Other backends ignore xla_cpu_*.
-# - XLA:CPU's tree_reduction_rewriter splits each long reduction into windows of 32,
-#   which stops XLA from fusing it with its producers: a softmax over [8, 6, 512, 512]
-#   takes 14 ms with it and 7.7 without, and train and decode steps are 4-9% faster
-#   without it (RMSNorm's scale gradient, the one sum it sped up, is a matmul on CPU).
-#   GPU's passes are named tree-reduction-rewriter and gpu-tree-reduction-rewriter; a
-#   softmax-and-sums program compiled for a v5e slice came out the same to the byte.
-CPU_XLA_FLAGS = {
-  "xla_cpu_experimental_ynn_fusion_type": "-reduce",
-  "xla_disable_hlo_passes": "tree_reduction_rewriter",
-}
-
 FLAGS = flags.FLAGS
 flags.DEFINE_string("tfds_data_dir", None, "Overrides the TFDS data dir of seqio tasks.")
 flags.DEFINE_multi_string(
@@ -64,6 +51,12 @@ flags.DEFINE_integer("process_count", None, "Multi-host: number of processes.")
 flags.DEFINE_integer("process_index", None, "Multi-host: index of this process.")
 flags.DEFINE_bool(
   "verbose", False, "Print the traceback of expected errors too (by default: one ERROR line)."
+)
+flags.DEFINE_bool(
+  "huge_pages",
+  False,
+  "Restart once with glibc.malloc.hugetlb=1 in GLIBC_TUNABLES (Linux, glibc 2.35+): "
+  "faster CPU steps for large models, whose step buffers are re-faulted at every step.",
 )
 
 
@@ -97,7 +90,7 @@ def setup(optional_macros: Sequence[str] = ()) -> None:
 
   from t5x_lite.data import pipeline
 
-  console.quiet_library_logs()
+  console.quiet_library_logs()  # logs the entry point's start-up choices
   initialize_distributed()
   if FLAGS.tfds_data_dir:
     seqio.set_tfds_data_dir_override(FLAGS.tfds_data_dir)
@@ -119,20 +112,6 @@ def _task_module_macro() -> list[str]:
   return [value] if isinstance(value, str) else list(value)
 
 
-def add_cpu_xla_flags(environ: dict[str, str] | None = None) -> str:
-  """Appends `CPU_XLA_FLAGS` that XLA_FLAGS does not set yet; returns the new value.
-
-  Takes effect only if called before jax initialises its backends.
-  """
-  environ = os.environ if environ is None else environ
-  current = environ.get("XLA_FLAGS", "")
-  added = [
-    f"--{name}={value}" for name, value in CPU_XLA_FLAGS.items() if f"--{name}=" not in current
-  ]
-  environ["XLA_FLAGS"] = " ".join([current.strip()] + added).strip()
-  return environ["XLA_FLAGS"]
-
-
 def _gin_missing_bindings_as_config_error(
   main: Callable[[Sequence[str]], None],
 ) -> Callable[[Sequence[str]], None]:
@@ -150,10 +129,16 @@ def _gin_missing_bindings_as_config_error(
 
 
 def run(main: Callable[[Sequence[str]], None], argv: Sequence[str] | None = None) -> None:
-  """`absl.app.run(main)` with the `--gin.NAME=VALUE` shorthand rewritten,
-  `CPU_XLA_FLAGS` added to XLA_FLAGS and `UserError`s reported as one line."""
-  add_cpu_xla_flags()
-  run_app(_gin_missing_bindings_as_config_error(main), argv, lambda: FLAGS.verbose)
+  """`absl.app.run(main)` with the `--gin.NAME=VALUE` shorthand rewritten, `--huge_pages`
+  applied and `UserError`s reported as one line."""
+
+  def main_after_restart(argv: Sequence[str]) -> None:
+    if FLAGS.huge_pages:  # returns only when it does not restart
+      on, state = console.restart_with_huge_pages()
+      (logging.info if on else logging.warning)("--huge_pages: %s", state)
+    main(argv)
+
+  run_app(_gin_missing_bindings_as_config_error(main_after_restart), argv, lambda: FLAGS.verbose)
 
 
 def gin_entry_point(run: Callable[[], object]) -> Callable[[Sequence[str]], None]:

@@ -12,7 +12,10 @@ Flags are those of `t5x_lite.cli` (shared with train and infer); the run is
 `t5x_lite.run.eval_lib.evaluate_checkpoints`, its options are in gin/runs/eval.gin.
 """
 
-from t5x_lite.core import console  # noqa: F401  (first: quiets TensorFlow and JAX start-up)
+from t5x_lite.core import console
+
+if __name__ == "__main__":  # first, before TensorFlow and JAX load (logged later)
+  console.quiet_startup()  # environment defaults, TensorFlow imported quietly
 
 import tasks  # noqa: F401  (registers seqio tasks and mixtures)
 from t5x_lite import cli

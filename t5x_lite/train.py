@@ -13,7 +13,10 @@ Importing `tasks` registers the project's seqio tasks and mixtures; add your
 own with an `import my_tasks` line in a gin file.
 """
 
-from t5x_lite.core import console  # noqa: F401  (first: quiets TensorFlow and JAX start-up)
+from t5x_lite.core import console
+
+if __name__ == "__main__":  # first, before TensorFlow and JAX load (logged later)
+  console.quiet_startup()  # environment defaults, TensorFlow imported quietly
 
 import sys
 from collections.abc import Sequence

@@ -1,4 +1,4 @@
-"""Tests of `t5x_lite.core.console`: environment defaults and the stderr line filter.
+"""Tests of `t5x_lite.core.console`: explicit start-up choices and the stderr line filter.
 
 That an entry point's whole output is free of start-up noise is checked on a
 real training run in train_test.py.
@@ -72,7 +72,7 @@ def test_lines_before_a_crash_inside_the_filter_still_show():
 
 @pytest.mark.slow
 def test_tensorflow_import_prints_no_cuda_stub_lines():
-  result = _python("from t5x_lite.core import console\nimport tensorflow")
+  result = _python("from t5x_lite.core import console\nconsole.quiet_startup()\nimport tensorflow")
   assert result.returncode == 0, result.stderr
   assert not any(noise in result.stderr for noise in console.TENSORFLOW_IMPORT_NOISE), result.stderr
 
@@ -105,30 +105,65 @@ def _huge_pages_available() -> bool:
   return console.huge_page_tunables({}, glibc, thp) is not None
 
 
+def test_importing_the_library_changes_nothing_in_the_process():
+  code = (
+    "import os, sys\n"
+    "before = dict(os.environ)\n"
+    "from t5x_lite.core import console\n"
+    "import t5x_lite.train, t5x_lite.cli, t5x_lite.models\n"
+    "print(dict(os.environ) == before, console.startup_choices(), flush=True)\n"
+  )
+  result = _python(code)
+  assert result.returncode == 0, result.stderr
+  assert result.stdout.split() == ["True", "[]"]
+
+
+def test_quiet_startup_sets_only_what_the_user_left_unset_and_says_so():
+  code = (
+    "import os\n"
+    "from t5x_lite.core import console\n"
+    "choices = console.quiet_startup(import_tensorflow=False)\n"
+    "print(os.environ['TF_ENABLED_DEVICE_TYPES'], os.environ['TF_CPP_MIN_LOG_LEVEL'])\n"
+    "print('|'.join(choices))\n"
+  )
+  result = _python(code, TF_ENABLED_DEVICE_TYPES="CPU,GPU")
+  assert result.returncode == 0, result.stderr
+  values, choices = result.stdout.splitlines()
+  assert values.split() == ["CPU,GPU", "2"]  # the user's value wins
+  assert "TF_CPP_MIN_LOG_LEVEL=2" in choices.split("|")
+  assert not any(c.startswith("TF_ENABLED_DEVICE_TYPES") for c in choices.split("|"))
+
+
 @pytest.mark.skipif(
   not _huge_pages_available(), reason="needs glibc >= 2.35 and transparent huge pages"
 )
-def test_entry_point_restarts_itself_once_with_huge_page_malloc():
-  # The child poses as `python -m t5x_lite.infer` (its __main__ spec), then imports
-  # console first, as the entry points do: it runs twice, in the same process.
+def test_huge_pages_flag_restarts_the_entry_point_once_and_only_when_asked():
+  # `cli.run` with --huge_pages: the child restarts itself once, in the same process.
   code = (
-    "import importlib.util, os, sys\n"
-    "sys.modules['__main__'].__spec__ = importlib.util.find_spec('t5x_lite.infer')\n"
+    "import os, sys\n"
     "print(os.getpid(), os.environ.get('GLIBC_TUNABLES'), flush=True)\n"
-    "from t5x_lite.core import console\n"
-    "print('after', flush=True)\n"
+    "from t5x_lite import cli\n"
+    "cli.run(lambda argv: print('main', os.environ.get('GLIBC_TUNABLES'), flush=True))\n"
   )
   environ = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
   result = subprocess.run(
-    [sys.executable, "-c", code], cwd=REPO, env=environ, capture_output=True, text=True, timeout=120
+    [sys.executable, "-c", code, "--huge_pages"],
+    cwd=REPO,
+    env=environ,
+    capture_output=True,
+    text=True,
+    timeout=120,
   )
   assert result.returncode == 0, result.stderr
-  first, second, after = result.stdout.splitlines()
+  first, second, main = result.stdout.splitlines()
   assert first.split()[1] == "None"
   assert second.split() == [first.split()[0], "glibc.malloc.hugetlb=1"]
-  assert after == "after"
-  # Any other __main__ (a test, a notebook, a user's script) is left alone.
-  plain = _python(
-    "import os\nfrom t5x_lite.core import console\nprint(os.environ.get('GLIBC_TUNABLES'))"
+  assert main == "main glibc.malloc.hugetlb=1"
+  assert "restarting with GLIBC_TUNABLES=glibc.malloc.hugetlb=1" in result.stderr
+  assert "--huge_pages: on (GLIBC_TUNABLES=glibc.malloc.hugetlb=1)" in result.stderr
+  # Without the flag nothing restarts.
+  plain = subprocess.run(
+    [sys.executable, "-c", code], cwd=REPO, env=environ, capture_output=True, text=True, timeout=120
   )
-  assert plain.stdout.split() == [os.environ.get("GLIBC_TUNABLES", "None")]
+  assert plain.returncode == 0, plain.stderr
+  assert [line.split()[-1] for line in plain.stdout.splitlines()] == ["None", "None"]

@@ -398,6 +398,8 @@ def test_entry_point_trains_and_resumes_exactly(tmp_path):
   output, exit_seconds = _run(whole, 10, "--gin.EVAL_PERIOD=10")
   assert "train step 10/10" in output and "eval step 10/10" in output
   assert [noise for noise in _NOISE if noise in output] == [], output
+  # The start-up choices are said, not made silently (`console.quiet_startup`).
+  assert "Start-up: TF_CPP_MIN_LOG_LEVEL=2" in output, output
   assert output.rstrip().endswith(f"Training finished at step 10; checkpoint {whole}/10."), output
   assert exit_seconds < 15, exit_seconds  # tf.data's teardown is not waited for
   assert sorted(os.listdir(whole)) == ["10", "5", "config.gin", "eval", "metrics.jsonl", "train"]

@@ -234,3 +234,48 @@ def test_tied_logits_merge_tokens_and_equal_the_reference():
   np.testing.assert_allclose(np.asarray(logits), np.asarray(query) @ table.T, rtol=1e-5)
   dots = _lowered_dots(lambda q: module.apply(variables, q, method=layers.Embed.attend), query)
   assert dots and all("tensor<6x4xf32>" in line for line in dots), dots
+
+
+def _compiled_program(compiler_options) -> str:
+  """A softmax, a leading-axis sum and a dot with their gradient, compiled for the CPU,
+  without the names and metadata that differ between processes."""
+
+  def loss(w, x):
+    return (jax.nn.softmax(x @ w, axis=-1).sum(0) * jnp.tanh(x).mean()).sum()
+
+  args = (jnp.ones((512, 256)), jnp.ones((64, 512)))
+  grad = jax.jit(jax.grad(loss), compiler_options=compiler_options)
+  text = grad.lower(*args).compile().as_text()
+  for section in ("FileNames", "FunctionNames", "FileLocations", "StackFrames"):
+    text = re.sub(rf"\n{section}\n(.+\n)*", "\n", text)
+  text = re.sub(r"(metadata|backend_config)=\{[^}]*\}", "", text)
+  return re.sub(r"HloModule [^\n]*", "", text)
+
+
+_PROGRAM_IN_A_FRESH_PROCESS = """
+import sys
+sys.path.insert(0, {tests!r})
+import xla_cpu_test
+print(xla_cpu_test._compiled_program(None))
+"""
+
+
+def test_compiler_options_compile_what_their_xla_flags_form_compiles():
+  """COMPILER_OPTIONS, passed to one program, give the program that the process-wide
+  XLA_FLAGS_EQUIVALENT gives (checked in a fresh process), and a different one from none."""
+  import os
+  import subprocess
+  import sys
+
+  with_options = _compiled_program(dict(xla_cpu.COMPILER_OPTIONS))
+  assert with_options != _compiled_program(None)
+  env = dict(os.environ)
+  env["XLA_FLAGS"] = " ".join([env.get("XLA_FLAGS", ""), *xla_cpu.XLA_FLAGS_EQUIVALENT])
+  env["JAX_PLATFORMS"] = "cpu"
+  tests = os.path.dirname(os.path.abspath(__file__))
+  code = _PROGRAM_IN_A_FRESH_PROCESS.format(tests=tests)
+  result = subprocess.run(
+    [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
+  )
+  assert result.returncode == 0, result.stderr[-2000:]
+  assert result.stdout.strip() == with_options.strip()

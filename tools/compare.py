@@ -26,7 +26,10 @@ Sizes: --model (a model size file of each architecture's family, default `tiny`)
 runs some rows only (their directory names under --output_dir/<table>).
 """
 
-from t5x_lite.core import console  # first: quiets TensorFlow and JAX start-up
+from t5x_lite.core import console
+
+if __name__ == "__main__":  # first, before TensorFlow and JAX load (logged later)
+  console.quiet_startup()  # environment defaults, TensorFlow imported quietly
 
 import dataclasses
 import json

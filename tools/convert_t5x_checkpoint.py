@@ -33,7 +33,10 @@ stderr with exit status 1.
 
 from __future__ import annotations
 
-from t5x_lite.core import console  # first: quiets TensorFlow and JAX start-up
+from t5x_lite.core import console
+
+if __name__ == "__main__":  # first, before TensorFlow and JAX load (logged later)
+  console.quiet_startup(import_tensorflow=False)  # environment defaults
 
 import dataclasses
 import functools

@@ -8,7 +8,10 @@ Prints one JSON line (see `measure_pipeline`). Gin flags (--gin_bindings,
 data directory. tools/benchmark.py reports `measure_pipeline` too.
 """
 
-from t5x_lite.core import console  # noqa: F401  (first: quiets TensorFlow and JAX start-up)
+from t5x_lite.core import console
+
+if __name__ == "__main__":  # first, before TensorFlow and JAX load (logged later)
+  console.quiet_startup()  # environment defaults, TensorFlow imported quietly
 
 import json
 import time

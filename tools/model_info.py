@@ -15,7 +15,10 @@ adapter layers' share of the encoder and decoder counts). A bad gin file or
 binding is reported as one `ERROR: <message>` line on stderr with exit status 1.
 """
 
-from t5x_lite.core import console  # first: quiets TensorFlow and JAX start-up
+from t5x_lite.core import console
+
+if __name__ == "__main__":  # first, before TensorFlow and JAX load (logged later)
+  console.quiet_startup(import_tensorflow=False)  # environment defaults
 
 import dataclasses
 import functools

@@ -16,7 +16,10 @@ loaded with --module_import=my_tasks or a gin file that does `import my_tasks`;
 --gin_bindings set e.g. the data directory: "local_data_dir.path = '/data'".
 """
 
-from t5x_lite.core import console  # noqa: F401  (first: quiets TensorFlow and JAX start-up)
+from t5x_lite.core import console
+
+if __name__ == "__main__":  # first, before TensorFlow and JAX load (logged later)
+  console.quiet_startup()  # environment defaults, TensorFlow imported quietly
 
 from collections.abc import Mapping, Sequence
 

@@ -19,7 +19,10 @@ an unknown task or field, a vocabulary too large for the text) is reported as on
 `ERROR: <message>` line on stderr with exit status 1.
 """
 
-from t5x_lite.core import console  # first: quiets TensorFlow and JAX start-up
+from t5x_lite.core import console
+
+if __name__ == "__main__":  # first, before TensorFlow and JAX load (logged later)
+  console.quiet_startup()  # environment defaults, TensorFlow imported quietly
 
 import itertools
 import os

@@ -1,62 +1,63 @@
-"""Quiet start-up for the entry points and tools: import this module first.
+"""Start-up choices of the entry points and tools, each explicit and logged.
 
-TensorFlow (which only reads data and writes TensorBoard files here) and JAX
-print lines at every start on a machine without accelerators that say nothing
-about the run. Imported before either of them loads, this module
+Importing this module changes nothing. An entry point (train, eval, infer, the tools)
+calls `quiet_startup()` as its first statement, before TensorFlow or JAX load;
+`quiet_library_logs()` (from `t5x_lite.cli.setup` or the tool) then logs what it chose
+(`startup_choices()`) as one INFO line. A library user who imports t5x_lite from
+Python gets none of it: the process stays as they made it, and compiles the same
+programs (the kernels' XLA options travel with each program, see
+`t5x_lite.kernels.base.Kernels.compiler_options`).
 
-* sets defaults for these environment variables; a value the user set, even
-  an empty one, always wins:
+`quiet_startup()`:
 
-  - TF_CPP_MIN_LOG_LEVEL=2: TensorFlow's (and XLA's) C++ INFO and WARNING
-    lines are dropped, errors still show. E.g. tf.data's `cache_dataset_ops.cc
-    ... did not fully read the dataset being cached`, logged whenever a
-    training iterator over a small task (seqio caches those in memory) is
-    deleted.
-  - TF_ENABLED_DEVICE_TYPES=CPU: TensorFlow never initialises CUDA (`failed
-    call to cuInit` on a CPU machine, GPU memory taken from JAX on a GPU one).
+* sets defaults for these environment variables; a value the user set, even an empty
+  one, always wins:
+
+  - TF_CPP_MIN_LOG_LEVEL=2: TensorFlow's (and XLA's) C++ INFO and WARNING lines are
+    dropped, errors still show. E.g. tf.data's `cache_dataset_ops.cc ... did not fully
+    read the dataset being cached`, logged whenever a training iterator over a small
+    task (seqio caches those in memory) is deleted.
+  - TF_ENABLED_DEVICE_TYPES=CPU: TensorFlow, which only reads data and writes
+    TensorBoard files here, never initialises CUDA (`failed call to cuInit` on a CPU
+    machine, GPU memory taken from JAX on a GPU one).
   - JAX_PLATFORMS=cpu, only when no accelerator device file exists
-    (`ACCELERATOR_DEVICES`): otherwise JAX loads libtpu to look for a TPU, which
-    prints `TPU_ACCELERATOR_TYPE` and `TPU_WORKER_HOSTNAMES` errors and
-    `Unable to initialize backend 'tpu'`. `--precompile` is unaffected: it
-    loads libtpu's compile-only topologies itself.
+    (`ACCELERATOR_DEVICES`): otherwise JAX loads libtpu to look for a TPU, which prints
+    `TPU_ACCELERATOR_TYPE` and `TPU_WORKER_HOSTNAMES` errors and `Unable to initialize
+    backend 'tpu'`. `--precompile` is unaffected: it loads libtpu's compile-only
+    topologies itself.
 
-* unless the user set TF_CPP_MIN_LOG_LEVEL, drops `TENSORFLOW_IMPORT_NOISE`
-  from what the first `import tensorflow` writes to stderr: its shared
-  libraries log `cudart_stub.cc ... Could not find cuda drivers` and, on CPUs
-  where TensorFlow turns oneDNN on, `port.cc ... oneDNN custom operations are
-  on` while loading, before any log level applies. The filter is a separate process,
-  so a crash during the import still shows everything else it printed.
+* with `import_tensorflow=True` (the entry points that read data), imports TensorFlow
+  at once with `TENSORFLOW_IMPORT_NOISE` dropped from what it writes to stderr, unless
+  the user set TF_CPP_MIN_LOG_LEVEL: its shared libraries log `cudart_stub.cc ... Could
+  not find cuda drivers` and, on CPUs where TensorFlow turns oneDNN on, `port.cc ...
+  oneDNN custom operations are on` while loading, before any log level applies. The
+  filter is a child process that lives only for the import, so a crash during it still
+  shows everything else it printed.
 
 TF_CPP_MIN_LOG_LEVEL=0 JAX_PLATFORMS= shows everything again.
 
-Not about the console, but it too must happen before anything loads: an entry point
-in `HUGE_PAGE_ENTRY_POINTS` (train, eval, infer, tools/benchmark.py) that imports this
-module first restarts itself once (`os.execve`, same process id and arguments) with
-`glibc.malloc.hugetlb=1` added to GLIBC_TUNABLES, on Linux with glibc 2.35 or later
-and transparent huge pages not 'never'. XLA:CPU allocates a train step's buffers anew
-at every step, and glibc hands the memory back to the kernel between steps, so each
-step faulted in ~3 GB again, one 4 KiB page at a time (T5 1.1 small, batch 8: 800k
-page faults, 2.3 s of system time per 8.3 s step). With 2 MiB pages it takes 10-20k
-faults and 0.65 s, and the step 7.2 s. GLIBC_TUNABLES naming `glibc.malloc.hugetlb`
-at all (`=0` turns it off) is left as it is.
+`restart_with_huge_pages()`, which `--huge_pages` asks for (`t5x_lite.cli`), restarts
+the entry point once (`os.execve`, same process id and arguments) with
+`glibc.malloc.hugetlb=1` added to GLIBC_TUNABLES, on Linux with glibc 2.35 or later and
+transparent huge pages not 'never'. XLA:CPU allocates a step's buffers anew at every
+step and glibc hands the memory back between steps, so with 4 KiB pages a large step
+faults its memory in again, one page at a time, at every step (docs/performance.md has
+the measurements). Setting GLIBC_TUNABLES=glibc.malloc.hugetlb=1 yourself does the
+same without a restart.
 
-`quiet_library_logs()` (called by `cli.setup` and the tools) also drops the
-INFO lines of chatty libraries and the warnings expected in normal use from
-absl's log (`_QuietLibraryInfo`); their other warnings and errors still show.
+`quiet_library_logs()` (called by `cli.setup` and the tools) also drops the INFO lines
+of chatty libraries and the warnings expected in normal use from absl's log
+(`_QuietLibraryInfo`); their other warnings and errors still show.
 """
 
 from __future__ import annotations
 
 import contextlib
 import glob
-import importlib.abc
-import importlib.machinery
-import importlib.util
 import logging as logging_std
 import os
 import subprocess
 import sys
-import types
 from collections.abc import Iterator, Mapping, Sequence
 
 from absl import logging  # absl loads neither TensorFlow nor JAX
@@ -69,13 +70,6 @@ TENSORFLOW_IMPORT_NOISE = (
   "All log messages before absl::InitializeLog() is called are written to STDERR",
   "cudart_stub.cc",
   "oneDNN custom operations are on",
-)
-# `python -m` modules and scripts (parent dir/name) that restart with huge-page malloc.
-HUGE_PAGE_ENTRY_POINTS = (
-  "t5x_lite.train",
-  "t5x_lite.eval",
-  "t5x_lite.infer",
-  "tools/benchmark.py",
 )
 MALLOC_HUGE_PAGES = "glibc.malloc.hugetlb=1"
 TRANSPARENT_HUGE_PAGES = "/sys/kernel/mm/transparent_hugepage/enabled"
@@ -116,38 +110,38 @@ def huge_page_tunables(environ: Mapping[str, str], glibc_version: str, thp_mode:
   return ":".join(part for part in (current, MALLOC_HUGE_PAGES) if part)
 
 
-def _main_entry_point() -> str:
-  """`__main__` as 'package.module' (python -m) or 'dir/script.py' (a script path)."""
-  main = sys.modules.get("__main__")
-  spec = getattr(main, "__spec__", None)
-  if spec is not None:
-    return spec.name
-  path = getattr(main, "__file__", None)
-  if not path:
-    return ""
-  head, script = os.path.split(os.path.abspath(path))
-  return f"{os.path.basename(head)}/{script}"
+def restart_with_huge_pages() -> tuple[bool, str]:
+  """Restarts this process with `huge_page_tunables` (see the module docstring).
 
-
-def restart_with_huge_page_malloc() -> None:
-  """Restarts an entry point once with `huge_page_tunables` (see the module docstring)."""
-  if not sys.platform.startswith("linux") or _main_entry_point() not in HUGE_PAGE_ENTRY_POINTS:
-    return
+  Returns only when no restart happens: (whether huge-page malloc is on, why), e.g.
+  after the restart, or where glibc or the kernel lack it. Otherwise the process is
+  replaced by the same command line with the new GLIBC_TUNABLES.
+  """
+  current = os.environ.get("GLIBC_TUNABLES", "")
+  if MALLOC_HUGE_PAGES in current.split(":"):
+    return True, f"on (GLIBC_TUNABLES={current})"
+  if "glibc.malloc.hugetlb=" in current:
+    return False, f"GLIBC_TUNABLES={current} sets glibc.malloc.hugetlb already"
   try:
     glibc_version = os.confstr("CS_GNU_LIBC_VERSION") or ""
   except (ValueError, OSError):  # not glibc
-    return
+    glibc_version = ""
   try:
     with open(TRANSPARENT_HUGE_PAGES) as f:
-      thp_mode = f.read()
+      thp_mode = f.read().strip()
   except OSError:
-    return
+    thp_mode = "unreadable"
   tunables = huge_page_tunables(os.environ, glibc_version, thp_mode)
-  if tunables is None:
-    return
+  if tunables is None or not sys.platform.startswith("linux"):
+    return False, (
+      f"needs Linux, glibc 2.35+ and transparent huge pages; here {glibc_version or 'no glibc'}"
+      f", {TRANSPARENT_HUGE_PAGES}: {thp_mode}"
+    )
+  logging.info("--huge_pages: restarting with GLIBC_TUNABLES=%s", tunables)
   sys.stdout.flush()
   sys.stderr.flush()
   os.execve(sys.executable, sys.orig_argv, {**os.environ, "GLIBC_TUNABLES": tunables})
+  raise AssertionError("unreachable: os.execve returned")
 
 
 def has_accelerator() -> bool:
@@ -199,31 +193,42 @@ def native_stderr_without(drop: Sequence[str]) -> Iterator[None]:
     line_filter.wait()
 
 
-class _QuietTensorFlowImport(importlib.abc.MetaPathFinder):
-  """Runs the first `import tensorflow` in `native_stderr_without(TENSORFLOW_IMPORT_NOISE)`."""
+# What `quiet_startup` chose, for `startup_choices`.
+_CHOICES: list[str] = []
 
-  def find_spec(
-    self,
-    fullname: str,
-    path: Sequence[str] | None,
-    target: types.ModuleType | None = None,
-  ) -> importlib.machinery.ModuleSpec | None:
-    """TensorFlow's own spec, its loader wrapped; None for every other module."""
-    del path, target
-    if fullname != "tensorflow":
-      return None
-    sys.meta_path.remove(self)  # once: TensorFlow's submodules load as usual
-    spec = importlib.util.find_spec(fullname)
-    if spec is None or spec.loader is None:
-      return spec
-    exec_module = spec.loader.exec_module
 
-    def exec_quietly(module: types.ModuleType) -> None:
+def quiet_startup(import_tensorflow: bool = True) -> list[str]:
+  """The module docstring's environment defaults, then a quiet TensorFlow import.
+
+  Call it first in an entry point, before TensorFlow or JAX load; a later call adds
+  nothing. Never called on import.
+
+  Args:
+    import_tensorflow: import TensorFlow now, its load-time noise filtered (for
+      entry points that read data with seqio).
+
+  Returns:
+    What it did, one short phrase per choice (also `startup_choices()`).
+  """
+  user_log_level = "TF_CPP_MIN_LOG_LEVEL" in os.environ
+  defaults = default_environment(os.environ, has_accelerator())
+  os.environ.update(defaults)
+  for name, value in defaults.items():
+    reason = " (no accelerator device file)" if name == "JAX_PLATFORMS" else ""
+    _CHOICES.append(f"{name}={value}{reason}")
+  if import_tensorflow and "tensorflow" not in sys.modules:
+    if user_log_level:
+      import tensorflow  # noqa: F401
+    else:
       with native_stderr_without(TENSORFLOW_IMPORT_NOISE):
-        exec_module(module)
+        import tensorflow  # noqa: F401
+      _CHOICES.append("TensorFlow's load-time messages filtered")
+  return list(_CHOICES)
 
-    spec.loader.exec_module = exec_quietly  # this spec's loader instance only
-    return spec
+
+def startup_choices() -> list[str]:
+  """What `quiet_startup` set in this process ([] if it was not called)."""
+  return list(_CHOICES)
 
 
 # Library sources whose INFO logs are dropped (their warnings still show).
@@ -267,15 +272,12 @@ class _QuietLibraryInfo(logging_std.Filter):
 
 
 def quiet_library_logs() -> None:
-  """Adds `_QuietLibraryInfo` to absl's log handler (once), for entry points and tools."""
+  """Adds `_QuietLibraryInfo` to absl's log handler and logs `startup_choices()` (once).
+
+  For entry points and tools, after absl has parsed the flags.
+  """
   handler = logging.get_absl_handler()
   if not any(isinstance(f, _QuietLibraryInfo) for f in handler.filters):
     handler.addFilter(_QuietLibraryInfo())
-
-
-restart_with_huge_page_malloc()
-# The user's TF_CPP_MIN_LOG_LEVEL (read before the defaults are set) turns the filter off.
-_FILTER_IMPORT = "TF_CPP_MIN_LOG_LEVEL" not in os.environ and "tensorflow" not in sys.modules
-os.environ.update(default_environment(os.environ, has_accelerator()))
-if _FILTER_IMPORT:
-  sys.meta_path.insert(0, _QuietTensorFlowImport())
+    if _CHOICES:
+      logging.info("Start-up: %s", "; ".join(_CHOICES))

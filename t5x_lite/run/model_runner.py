@@ -153,11 +153,13 @@ class ModelRunner:
       predict,
       in_shardings=(param_shardings, batch_sharding, replicated),
       out_shardings=replicated,
+      compiler_options=model.compiler_options,
     )
     self._score = partitioner.jit(
       model.score_batch,
       in_shardings=(param_shardings, batch_sharding),
       out_shardings=replicated,
+      compiler_options=model.compiler_options,
     )
     self._calls = 0
 
