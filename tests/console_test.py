@@ -106,12 +106,15 @@ def _huge_pages_available() -> bool:
 
 
 def test_importing_the_library_changes_nothing_in_the_process():
+  """Nothing of ours on import (TensorFlow and libtpu set variables of their own)."""
+  ours = ("XLA_FLAGS", "JAX_PLATFORMS", "TF_ENABLED_DEVICE_TYPES", "GLIBC_TUNABLES")
   code = (
     "import os, sys\n"
-    "before = dict(os.environ)\n"
+    f"ours = {ours!r}\n"
+    "before = [os.environ.get(k) for k in ours]\n"
     "from t5x_lite.core import console\n"
-    "import t5x_lite.train, t5x_lite.cli, t5x_lite.models\n"
-    "print(dict(os.environ) == before, console.startup_choices(), flush=True)\n"
+    "import t5x_lite.train, t5x_lite.cli, t5x_lite.models, t5x_lite.run.interactive\n"
+    "print([os.environ.get(k) for k in ours] == before, console.startup_choices(), flush=True)\n"
   )
   result = _python(code)
   assert result.returncode == 0, result.stderr
@@ -167,3 +170,11 @@ def test_huge_pages_flag_restarts_the_entry_point_once_and_only_when_asked():
   )
   assert plain.returncode == 0, plain.stderr
   assert [line.split()[-1] for line in plain.stdout.splitlines()] == ["None", "None"]
+
+
+def test_huge_pages_is_read_from_the_command_line_as_absl_reads_the_flag():
+  assert console.asks_for_huge_pages(["--gin_file=x.gin", "--huge_pages"])
+  assert console.asks_for_huge_pages(["--huge_pages=true"])
+  assert not console.asks_for_huge_pages(["--huge_pages", "--nohuge_pages"])
+  assert not console.asks_for_huge_pages(["--huge_pages=false"])
+  assert not console.asks_for_huge_pages(["--gin.huge_pages=True", "--huge_pagesx"])

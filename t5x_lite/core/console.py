@@ -140,7 +140,8 @@ def restart_with_huge_pages() -> tuple[bool, str]:
   logging.info("--huge_pages: restarting with GLIBC_TUNABLES=%s", tunables)
   sys.stdout.flush()
   sys.stderr.flush()
-  os.execve(sys.executable, sys.orig_argv, {**os.environ, "GLIBC_TUNABLES": tunables})
+  environ = _USER_ENVIRON or dict(os.environ)  # without quiet_startup's defaults
+  os.execve(sys.executable, sys.orig_argv, {**environ, "GLIBC_TUNABLES": tunables})
   raise AssertionError("unreachable: os.execve returned")
 
 
@@ -195,13 +196,30 @@ def native_stderr_without(drop: Sequence[str]) -> Iterator[None]:
 
 # What `quiet_startup` chose, for `startup_choices`.
 _CHOICES: list[str] = []
+# The environment as the user gave it, before `quiet_startup`'s defaults: what a
+# `restart_with_huge_pages` restarts with, so the restarted process chooses alike.
+_USER_ENVIRON: dict[str, str] = {}
+
+
+def asks_for_huge_pages(argv: Sequence[str]) -> bool:
+  """Whether a command line sets the `--huge_pages` flag (`t5x_lite.cli`), last one winning."""
+  on = False
+  for arg in argv:
+    if arg == "--huge_pages":
+      on = True
+    elif arg.startswith("--huge_pages="):
+      on = arg.split("=", 1)[1].lower() in ("true", "1", "t", "yes", "y")
+    elif arg == "--nohuge_pages":
+      on = False
+  return on
 
 
 def quiet_startup(import_tensorflow: bool = True) -> list[str]:
   """The module docstring's environment defaults, then a quiet TensorFlow import.
 
   Call it first in an entry point, before TensorFlow or JAX load; a later call adds
-  nothing. Never called on import.
+  nothing. Never called on import. A command line with `--huge_pages` restarts here,
+  before anything loads (`restart_with_huge_pages`; `cli.run` logs the outcome).
 
   Args:
     import_tensorflow: import TensorFlow now, its load-time noise filtered (for
@@ -210,6 +228,10 @@ def quiet_startup(import_tensorflow: bool = True) -> list[str]:
   Returns:
     What it did, one short phrase per choice (also `startup_choices()`).
   """
+  if not _USER_ENVIRON:
+    _USER_ENVIRON.update(os.environ)
+  if asks_for_huge_pages(sys.argv[1:]):
+    restart_with_huge_pages()  # returns only if it cannot, or it did already
   user_log_level = "TF_CPP_MIN_LOG_LEVEL" in os.environ
   defaults = default_environment(os.environ, has_accelerator())
   os.environ.update(defaults)
