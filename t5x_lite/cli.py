@@ -32,7 +32,8 @@ _GIN_MISSING_BINDINGS = "Required bindings for"
 # T5X's gin macro for the module(s) that register the run's tasks.
 TASK_MODULE_MACRO = "MIXTURE_OR_TASK_MODULE"
 # XLA:CPU options `run` adds to XLA_FLAGS, before jax starts a backend, unless
-# XLA_FLAGS already names them (README, "Without XLA:CPU's tree reduction rewriter").
+# XLA_FLAGS already names them (docs/performance.md, "Without XLA:CPU's tree reduction
+# rewriter").
 # - YNNPACK's reduce fusion is slow on leading-axis sums: in a T5 1.1 small train step
 #   (batch 8, 512/114, 2 cores) the relative-bias gradient, a sum over batch and layers
 #   of [8, 6, 512, 512], took 1.9 s of 15 s; XLA's own reduction loops take ~0.1 s.
