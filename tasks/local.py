@@ -2,7 +2,7 @@
 
 File names are relative to the data directory: gin `local_data_dir.path`
 (train.py --data_dir), else $T5X_LITE_DATA_DIR, else ../shared/data relative
-to the working directory. See "Register a new task" in README.md to register your own.
+to the working directory. docs/new_task.md shows how to register your own.
 
   local_glue_sst2        glue/SST-2/{train,dev}.tsv        sentence -> negative/positive
   local_glue_rte         glue/RTE/{train,dev}.tsv          sentence pair -> (not_)entailment

@@ -29,10 +29,11 @@ def clean_gin():
   gin.clear_config()
 
 
-# The README-flow test's two halves take about six minutes each, far longer than any other
-# test. With `-n N --dist worksteal` (the suite's command) worker k starts with the k-th
-# N-th of the collection; putting one half at the start of each of the first two shares
-# runs them side by side from the start, the short tests filling in around them.
+# The documentation test's two halves (readme_flow_test.HALVES) take about six minutes
+# each, far longer than any other test. With `-n N --dist worksteal` (the suite's
+# command) worker k starts with the k-th N-th of the collection; putting one half at the
+# start of each of the first two shares runs them side by side from the start, the
+# short tests filling in around them.
 _LONGEST = "readme_flow_test.py::test_readme_commands_run_as_written"
 
 

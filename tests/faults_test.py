@@ -1,7 +1,7 @@
 """The fault suite: what a week-long unattended run meets, through the real entry points.
 
-Each case provokes one fault on a tiny run of a task registered as the README's guide
-does (TSV files and a task module in the working directory) and asserts what an
+Each case provokes one fault on a tiny run of a task registered as docs/new_task.md's
+guide does (TSV files and a task module in the working directory) and asserts what an
 operator relies on: the exit status, exactly one `ERROR:` line naming the cause, no
 traceback, and the committed checkpoint steps byte-identical before and after.
 
@@ -39,7 +39,7 @@ REPO = Path(__file__).resolve().parent.parent
 # Where nobody, root included, may create a file or a directory (sysfs).
 UNWRITABLE_DIR = Path("/sys/kernel")
 
-TASKS_MODULE = '''"""Tasks of the fault suite (README, "Register a new task")."""
+TASKS_MODULE = '''"""Tasks of the fault suite (docs/new_task.md, "Register a new task")."""
 
 import functools
 

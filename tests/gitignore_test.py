@@ -1,5 +1,5 @@
-"""`.gitignore` keeps what the README's guides have a user create out of `git add -A`:
-their data and outputs, not their task code."""
+"""`.gitignore` keeps what the guides (README.md, docs/) have a user create out of
+`git add -A`: their data and outputs, not their task code."""
 
 import pathlib
 import shutil

@@ -159,7 +159,7 @@ def test_an_assignment_map_drops_a_pretraining_head_that_is_otherwise_an_error(
   tied = tiny_config(logits_via_embedding=True)
   with pytest.raises(MismatchError, match=r"unexpected in checkpoint: decoder/logits_dense"):
     _restore(tmp_path, tied, partitioner)
-  # The README's example: keep the encoder, start the decoder from scratch.
+  # docs/training.md's example: keep the encoder, start the decoder from scratch.
   restored = _restore(tmp_path, tied, partitioner, RestoreConfig([("decoder/.*", None)]))
   fresh = _flat(_fresh(tied, partitioner))
   for path, value in restored.items():

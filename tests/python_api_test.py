@@ -204,8 +204,9 @@ def test_a_missing_recorded_vocabulary_is_one_line_naming_it(run_dir, tmp_path):
 @pytest.mark.slow
 def test_the_docs_page_runs(tmp_path):
   """docs/python_api.md's Python blocks, in order, as one script from the repository root
-  after the quickstart (shortened as the README flow shortens it) made ./runs/quickstart."""
-  from readme_flow_test import SHORTENING, _not_copied, _user_env, readme_blocks
+  after the quickstart (shortened as the documentation test shortens it) made
+  ./runs/quickstart."""
+  from readme_flow_test import SHORTENING, _not_copied, _user_env, markdown_blocks
 
   root = tmp_path / "t5x_lite"
   shutil.copytree(REPO, root, ignore=_not_copied)
@@ -218,7 +219,7 @@ def test_the_docs_page_runs(tmp_path):
   )
   assert result.returncode == 0, result.stderr[-3000:]
   page = open(os.path.join(REPO, "docs", "python_api.md"), encoding="utf-8").read()
-  blocks = [b.text for b in readme_blocks(page) if b.lang == "python"]
+  blocks = [b.text for b in markdown_blocks(page) if b.lang == "python"]
   assert len(blocks) >= 5
   (root / "python_api_page.py").write_text("\n".join(blocks))
   result = subprocess.run(

@@ -1,15 +1,19 @@
-"""The README's commands, run as a new user types them.
+"""The commands of README.md and docs/, run as a new user types them.
 
-Every fenced shell command of README.md runs in README order (in two halves that
-run side by side, the second from the quickstart on; see `SECOND_HALF`), from a copy
-of the repository root that already holds a `runs/` folder, with the README's own relative
-paths, through `bash` with the test interpreter's directory first on PATH (as an
-activated venv has it). Code and gin blocks whose heading names a file
-(`my_tasks.py`, `my_sentiment.gin`) are written to that file first, as a reader
-following the guide would. Commands are shortened only by the overrides the README
-documents (`SHORTENING` below, in the README's "Trying the commands quickly"), and
-the only commands not run are those in `SKIPPED`, each with the reason. A README
-edit that breaks a command, or a command with no rule here, fails this test.
+Every fenced shell command of the pages in `DOCUMENTS` runs in that order (the order
+a reader follows, README first), in two halves that run side by side (`HALVES`: each
+a run of pages; the second starts with the README's quickstart, the only earlier
+command its pages use), from a copy of the repository root that already holds a
+`runs/` folder, with the pages' own relative paths, through `bash` with the test
+interpreter's directory first on PATH (as an activated venv has it). Code and gin
+blocks whose heading names a file (`my_tasks.py`, `my_sentiment.gin`) are written to
+that file first, as a reader following the guide would. Commands are shortened only
+by the overrides the README documents (`SHORTENING` below, in its "What the
+quickstart does"), and the only commands not run are those in `SKIPPED`, each with
+the reason. A page edit that breaks a command, or a command with no rule here, fails
+this test, naming the page and line (`docs/new_task.md:LINE`). Every docs page is in
+`DOCUMENTS` or in `NOT_WALKED` with the test that runs it instead, and every link
+between the pages resolves.
 
 Data: `../shared/data` beside the copy holds tiny GLUE SST-2 files written here; the
 task guide's own example rows are its data files.
@@ -29,10 +33,33 @@ from pathlib import Path
 import pytest
 from xla_flags import xla_flags
 
-pytestmark = pytest.mark.slow
-
 REPO = Path(__file__).resolve().parents[1]
-README = REPO / "README.md"
+
+# The pages whose commands run here, in the order a reader follows them.
+DOCUMENTS = (
+  "README.md",
+  "docs/training.md",
+  "docs/new_task.md",
+  "docs/evaluate.md",
+  "docs/checkpoints.md",
+  "docs/finetune_sst2.md",
+  "docs/comparisons.md",
+  "docs/scaling.md",
+  "docs/interfaces.md",
+  "docs/testing.md",
+)
+# The docs pages not walked here, each with the test that runs it instead.
+NOT_WALKED = {
+  "docs/python_api.md": "its blocks are Python: tests/python_api_test.py runs them in order",
+  "docs/recipes.md": "hour-long trainings on the real data: tests/recipes_test.py runs its "
+  "commands on tiny files with a tiny model",
+  "docs/performance.md": "benchmark runs of minutes each: tests/benchmark_test.py runs "
+  "tools/benchmark.py tiny",
+}
+# The two halves, one per pytest-xdist worker, of similar time (about six minutes each
+# on 2 idle cores): the second starts with the README's quickstart (the only earlier
+# command its pages use) and then runs its own pages.
+HALVES = (DOCUMENTS[:5], DOCUMENTS[5:])
 
 # What the README documents for trying a command quickly, by entry point.
 SHORTENING = {
@@ -42,12 +69,12 @@ SHORTENING = {
 # Commands that are not run here: (pattern in the command or its section, reason).
 SKIPPED = (
   ("pytest", "runs this test suite"),
-  ("c4_v220", "reads C4 from TFDS, which is not on this machine"),
   (
     "--precompile",
     "compiles T5 1.1 small..xxl for a TPU slice (minutes to an hour); "
     "tests/precompile_test.py compiles the same path for a tiny model",
   ),
+  ("c4_v220", "reads C4 from TFDS, which is not on this machine"),
   ("tools/benchmark.py", "times T5 1.1 small for minutes; tests/benchmark_test.py runs it tiny"),
   (
     "tools/t5x_peer_precompile.py",
@@ -76,7 +103,7 @@ _FILE_IN_HEADING = re.compile(r"`([\w./-]+\.(?:py|gin))`")
 
 @dataclasses.dataclass
 class Block:
-  """One fenced block of the README and the headings it sits under."""
+  """One fenced block of a page and the headings it sits under."""
 
   section: str  # the `##` heading
   heading: str  # the innermost heading
@@ -85,7 +112,7 @@ class Block:
   line: int
 
 
-def readme_blocks(text: str) -> list[Block]:
+def markdown_blocks(text: str) -> list[Block]:
   """Fenced blocks of a Markdown text, in order (indented fences included)."""
   blocks, section, heading = [], "", ""
   lines = text.splitlines()
@@ -136,8 +163,12 @@ def _without_comment(command: str) -> str:
 
 
 def _is_shell(block: Block) -> bool:
+  """A `bash` or `sh` block, or an unlabelled one that starts with a command (not output,
+  a file listing or data rows)."""
   first = block.text.lstrip().split(None, 1)
-  return block.lang in ("bash", "sh", "") and bool(first) and first[0].startswith(_COMMAND_WORDS)
+  if block.lang in ("bash", "sh"):
+    return bool(first)
+  return block.lang == "" and bool(first) and first[0].startswith(_COMMAND_WORDS)
 
 
 def _skip_reason(command: str, block: Block) -> str | None:
@@ -161,23 +192,25 @@ def _runnable(command: str) -> str:
 class Step:
   """One thing the reader does: run a command or write a file."""
 
+  document: str  # the page, relative to the repository root
   line: int
   command: str | None = None
   file: str | None = None
   text: str = ""
 
 
-def readme_steps(text: str) -> tuple[list[Step], list[tuple[str, str]]]:
-  """(steps to run, (command, reason) pairs skipped), in README order."""
+def document_steps(document: str) -> tuple[list[Step], list[tuple[str, str]]]:
+  """(steps to run, (command, reason) pairs skipped) of one page, in its order."""
+  text = (REPO / document).read_text()
   steps, skipped = [], []
-  for block in readme_blocks(text):
+  for block in markdown_blocks(text):
     named = _FILE_IN_HEADING.findall(block.heading)
     if named and not _is_shell(block):
-      steps.append(Step(block.line, file=named[-1], text=block.text))
+      steps.append(Step(document, block.line, file=named[-1], text=block.text))
       continue
     if block.heading.endswith("Your data") and not _is_shell(block):
       for name in re.findall(r"`([\w./-]+\.tsv)`", _paragraph_before(text, block.line)):
-        steps.append(Step(block.line, file=name, text=block.text))
+        steps.append(Step(document, block.line, file=name, text=block.text))
       continue
     if not _is_shell(block):
       continue
@@ -186,7 +219,17 @@ def readme_steps(text: str) -> tuple[list[Step], list[tuple[str, str]]]:
       if reason:
         skipped.append((command, reason))
       else:
-        steps.append(Step(block.line, command=command))
+        steps.append(Step(document, block.line, command=command))
+  return steps, skipped
+
+
+def all_steps() -> tuple[list[Step], list[tuple[str, str]]]:
+  """The steps and skipped commands of every page of DOCUMENTS, in reading order."""
+  steps, skipped = [], []
+  for document in DOCUMENTS:
+    more, more_skipped = document_steps(document)
+    steps += more
+    skipped += more_skipped
   return steps, skipped
 
 
@@ -244,26 +287,19 @@ def _user_env(compilation_cache: Path) -> dict[str, str]:
   return env
 
 
-# The README runs in two halves, one per pytest-xdist worker: the second starts with
-# the quickstart (the only earlier command its sections use) and then runs every
-# command from this heading on.
-SECOND_HALF = "## Fine-tune on GLUE SST-2 and evaluate"
-
-
-def _half(steps: list[Step], text: str, half: int) -> list[Step]:
-  """The steps of README half 0 (before SECOND_HALF) or 1 (the quickstart, then the rest)."""
-  boundary = text.splitlines().index(SECOND_HALF) + 1  # 1-based line of the heading
-  if half == 0:
-    return [s for s in steps if s.line < boundary]
-  return [steps[0]] + [s for s in steps if s.line > boundary]
+def _half(steps: list[Step], half: int) -> list[Step]:
+  """The steps of HALVES[half]; the second half starts with the README's quickstart."""
+  own = [s for s in steps if s.document in HALVES[half]]
+  return own if half == 0 else [steps[0], *own]
 
 
 def test_readme_has_the_flows_this_test_promises():
-  text = README.read_text()
-  steps, skipped = readme_steps(text)
-  halves = [_half(steps, text, 0), _half(steps, text, 1)]
+  steps, skipped = all_steps()
+  halves = [_half(steps, 0), _half(steps, 1)]
+  assert sum(HALVES, ()) == DOCUMENTS and all(HALVES)
   assert len(halves[0]) + len(halves[1]) == len(steps) + 1  # the quickstart runs in both
-  assert halves[1][0] == steps[0] and "local_glue_sst2" in halves[1][1].command
+  assert halves[0][0] == halves[1][0] == steps[0] and steps[0].document == "README.md"
+  assert "local_glue_sst2" in halves[1][1].command
   commands = [s.command for s in steps if s.command]
   files = [s.file for s in steps if s.file]
   assert commands[0] == (
@@ -273,8 +309,12 @@ def test_readme_has_the_flows_this_test_promises():
     "quickstart_finetune.gin",
     "tools/plot_metrics.py",
     "tools/show_task.py",
+    "tools/model_info.py",
     "t5x_lite.eval",
     "t5x_lite.infer",
+    "runs/adapters.gin",
+    "runs/distill.gin",
+    "quickstart_prefix_lm.gin",
     "local_glue_sst2",
     "my_sentiment",
     "tools/convert_hf_checkpoint.py",
@@ -283,17 +323,80 @@ def test_readme_has_the_flows_this_test_promises():
     assert any(expected in c for c in commands), expected
   assert {"my_tasks.py", "my_sentiment.gin"} <= set(files)
   assert any(f.endswith(".tsv") for f in files)
+  walked = {s.document for s in steps if s.command}
+  assert set(DOCUMENTS[:6]) <= walked  # the guides' pages; the rest are skipped or prose
   assert any("pytest" in c for c, _ in skipped)
+  # Every rule of SKIPPED skips a command of some page (walked here, or by its own test):
+  # none is left over from an edited page.
+  for document in NOT_WALKED:
+    skipped += document_steps(document)[1]
+  assert [r for _, r in SKIPPED if r not in {reason for _, reason in skipped}] == []
 
 
-@pytest.mark.parametrize("half", [0, 1], ids=["to_sst2", "sst2_on"])
+def test_every_docs_page_is_walked_or_excluded_with_a_reason():
+  pages = sorted(str(p.relative_to(REPO)) for p in (REPO / "docs").rglob("*.md"))
+  assert set(DOCUMENTS).isdisjoint(NOT_WALKED)
+  assert [p for p in pages if p not in DOCUMENTS and p not in NOT_WALKED] == []
+  assert [p for p in (*DOCUMENTS, *NOT_WALKED) if not (REPO / p).is_file()] == []
+  assert all(reason.strip() for reason in NOT_WALKED.values())
+
+
+_LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
+
+
+def _anchors(text: str) -> set[str]:
+  """GitHub's anchors of a page's headings (outside code blocks)."""
+  anchors: set[str] = set()
+  fence = False
+  for line in text.splitlines():
+    if line.strip().startswith("```"):
+      fence = not fence
+    elif not fence and re.match(r"#{1,6} ", line):
+      slug = re.sub(r"[^\w\- ]", "", line.lstrip("#").strip().lower()).replace(" ", "-")
+      anchor, n = slug, 1
+      while anchor in anchors:
+        anchor, n = f"{slug}-{n}", n + 1
+      anchors.add(anchor)
+  return anchors
+
+
+def test_links_between_the_pages_resolve():
+  pages = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
+  broken = []
+  for page in pages:
+    text = page.read_text()
+    prose = "\n".join(
+      b for i, b in enumerate(re.split(r"^\s*```.*$", text, flags=re.M)) if i % 2 == 0
+    )
+    for target in _LINK.findall(re.sub(r"`[^`\n]*`", "", prose)):
+      if re.match(r"[a-z]+:", target):
+        continue  # http:, https:, mailto:
+      path, _, anchor = target.partition("#")
+      resolved = (page.parent / path).resolve() if path else page
+      where = f"{page.relative_to(REPO)}: {target}"
+      if not resolved.exists():
+        broken.append(f"{where} (no such file)")
+      elif anchor and anchor not in _anchors(resolved.read_text()):
+        broken.append(f"{where} (no such heading)")
+  assert broken == []
+
+
+def test_readme_is_a_front_page():
+  lines = (REPO / "README.md").read_text().splitlines()
+  assert len(lines) <= 250, f"README.md has {len(lines)} lines; move reference to docs/"
+  headings = [line for line in lines if line.startswith("## ")]
+  assert headings[0] == "## Install and run the quickstart"
+  assert headings[-1] == "## Documentation"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("half", [0, 1], ids=["readme_to_checkpoints", "sst2_on"])
 def test_readme_commands_run_as_written(tmp_path, half):
   root = tmp_path / "t5x_lite"
   shutil.copytree(REPO, root, ignore=_not_copied)
   (root / "runs").mkdir()  # what the quickstart leaves; gin includes must not see it
   _sst2_fixture(tmp_path / "shared" / "data")
-  text = README.read_text()
-  steps = _half(readme_steps(text)[0], text, half)
+  steps = _half(all_steps()[0], half)
   env = _user_env(tmp_path / "jax_compilation_cache")
   for step in steps:
     if step.file:
@@ -306,9 +409,10 @@ def test_readme_commands_run_as_written(tmp_path, half):
       ["bash", "-c", step.command], cwd=root, env=env, capture_output=True, text=True, timeout=900
     )
     output = result.stdout + result.stderr
-    print(f"{time.time() - start:5.0f} s  README.md:{step.line}  {step.command[:90]}")  # with -s
+    where = f"{step.document}:{step.line}"
+    print(f"{time.time() - start:5.0f} s  {where}  {step.command[:90]}")  # with -s or -rP
     assert result.returncode == 0, (
-      f"README.md:{step.line}: `{step.command}` exited {result.returncode} after "
+      f"{where}: `{step.command}` exited {result.returncode} after "
       f"{time.time() - start:.0f} s:\n{output[-4000:]}"
     )
-    assert "Traceback" not in output, f"README.md:{step.line}: `{step.command}`:\n{output[-4000:]}"
+    assert "Traceback" not in output, f"{where}: `{step.command}`:\n{output[-4000:]}"

@@ -1,7 +1,7 @@
 """Several reference answers, from the file to the metric: the SQuAD JSON source, JSONL
 list fields, `text_to_text(keep_features=...)`, `task_metrics.all_answers` and `squad`.
 
-The README's question-answering registration runs as written on a tiny SQuAD-layout
+docs/new_task.md's question-answering registration runs as written on a tiny SQuAD-layout
 fixture; seqio's evaluator then scores chosen predictions, so exact match and F1 are
 checked against every answer of each question.
 """
@@ -18,7 +18,7 @@ import seqio
 from t5x_lite.data import file_sources, squad_source, task_metrics
 from t5x_lite.data.file_sources import DataFileError
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+GUIDE = Path(__file__).resolve().parents[1] / "docs" / "new_task.md"
 # Two articles; the second question has three answers, the fourth none (SQuAD 2.0).
 SQUAD = {
   "version": "1.1",
@@ -158,15 +158,15 @@ def test_squad_scores_against_the_best_of_all_answers():
   assert first_only["f1"] < metrics["f1"]  # "House!" only matches the third answer fully
 
 
-def _readme_qa_block() -> str:
-  text = README.read_text()
+def _guide_qa_block() -> str:
+  text = GUIDE.read_text()
   section = text[text.index("### Several reference answers: question answering") :]
   start = section.index("```python\n") + len("```python\n")
   return section[start : section.index("\n```", start)]
 
 
 @pytest.mark.usefixtures("clean_gin")
-def test_readme_task_carries_every_answer_to_the_metric(data_dir):
+def test_guide_task_carries_every_answer_to_the_metric(data_dir):
   import functools
 
   from t5x_lite.data import preprocessors
@@ -175,7 +175,7 @@ def test_readme_task_carries_every_answer_to_the_metric(data_dir):
   if name in seqio.TaskRegistry.names():
     seqio.TaskRegistry.remove(name)
   exec(
-    _readme_qa_block(),
+    _guide_qa_block(),
     {
       "seqio": seqio,
       "functools": functools,

@@ -6,8 +6,8 @@ TPU needed), in the T5X venv that ../shared/peers/install_t5x.sh makes:
 * `--network=flaxformer` (default): flaxformer's T5 1.1 as T5X ships it (unscanned).
   Runs ../shared/peers/t5x_precompile.py unchanged and adds to its JSON the compiled
   step's `cost_analysis()` (FLOPs and bytes accessed per chip), which the roofline
-  columns of the README's table need and the peer script does not record. Arguments
-  after `--` go to the peer script as they are (see its docstring):
+  columns of docs/scaling.md's per-chip memory table need and the peer script does not
+  record. Arguments after `--` go to the peer script as they are (see its docstring):
 
     $HOME/t5x_peer/venv/bin/python tools/t5x_peer_precompile.py \
         --json_out=t5x_base_2x4.json -- --size=base --topology=v5e:2x4
