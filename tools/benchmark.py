@@ -59,7 +59,7 @@ Its MFU is over a matmul peak measured in its process the same way.
 from t5x_lite.core import console
 
 if __name__ == "__main__":  # first, before TensorFlow and JAX load (logged later)
-  console.quiet_startup()  # environment defaults, TensorFlow imported quietly
+  console.quiet_startup(import_tensorflow=False)  # environment defaults; TensorFlow: below
 
 import dataclasses
 import json
@@ -519,8 +519,11 @@ def merge_t5x(peer: dict[str, Any]) -> dict[str, Any]:
 
 def measure_data(s: Settings) -> dict[str, float]:
   """Span corruption + packing throughput of `data_task` at the training lengths."""
-  import data_benchmark  # tools/data_benchmark.py, beside this script (TensorFlow)
-  import tasks  # noqa: F401  (registers the built-in tasks)
+  # TensorFlow loads here, after the model's figures (loaded in the process, it slowed
+  # JAX's train step), its load-time noise dropped as the entry points drop it.
+  with console.native_stderr_without(console.TENSORFLOW_IMPORT_NOISE):
+    import data_benchmark  # tools/data_benchmark.py, beside this script (TensorFlow)
+    import tasks  # noqa: F401  (registers the built-in tasks)
 
   lengths = {"inputs": s.input_length, "targets": s.target_length}
   result = data_benchmark.measure_pipeline(s.data_task, lengths, s.batch_size, s.data_batches)
@@ -724,6 +727,7 @@ def main(argv: Sequence[str]) -> None:
     errors.require_extra("hf", ("torch", "transformers", "safetensors"), "--compare_hf")
   if _COMPARE_HF.value or _COMPARE_T5X.value:  # on a GPU, jax would take 75% up front
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+  console.quiet_library_logs()  # gin's search-path lines; logs the start-up choices
   gin_config.parse_gin_flags(default_files=[DEFAULT_GIN_FILE])
   kernels, *compare_kernels = _KERNELS.value or ["auto"]
   config = dataclasses.replace(
