@@ -98,15 +98,6 @@ class EncoderDecoderModel:
     """
     return nn.get_partition_spec(abstract_boxed_params(self.init_params))
 
-  @property
-  def compiler_options(self) -> dict[str, str]:
-    """XLA options of this model's programs: its kernel set's (`Kernels.compiler_options`).
-
-    'auto' kernels resolve where this is read: the backend JAX runs on, or that of an
-    enclosing `kernels.registry.compiling_for`.
-    """
-    return dict(registry.select(self.module.config.kernels).compiler_options)
-
   # ------------------------------------------------------------------ loss
 
   def _logits(self, params: PyTree, batch: Batch, dropout_rng: jax.Array | None) -> jax.Array:

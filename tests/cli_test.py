@@ -29,25 +29,6 @@ def test_data_dir_flag_sets_local_data_dir(tmp_path):
     gin.clear_config()
 
 
-def test_cpu_xla_flags_are_added_without_overriding_the_users():
-  ours = [
-    "--xla_cpu_experimental_ynn_fusion_type=-reduce",
-    "--xla_disable_hlo_passes=tree_reduction_rewriter",
-  ]
-  environ = {}
-  assert cli.add_cpu_xla_flags(environ).split() == ours
-  environ = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
-  assert cli.add_cpu_xla_flags(environ).split() == [
-    "--xla_force_host_platform_device_count=8",
-    *ours,
-  ]
-  # A value the user chose is kept, and a second call adds nothing.
-  environ = {"XLA_FLAGS": "--xla_cpu_experimental_ynn_fusion_type= --xla_disable_hlo_passes=cse"}
-  chosen = ["--xla_cpu_experimental_ynn_fusion_type=", "--xla_disable_hlo_passes=cse"]
-  assert cli.add_cpu_xla_flags(environ).split() == chosen
-  assert cli.add_cpu_xla_flags(environ).split() == chosen
-
-
 def test_task_modules_are_found_in_the_working_directory(tmp_path, monkeypatch):
   # A tool run as `python tools/x.py` has tools/ on sys.path, not the working directory.
   (tmp_path / "cli_test_user_tasks.py").write_text("REGISTERED = True\n")

@@ -129,11 +129,13 @@ def test_quiet_startup_sets_only_what_the_user_left_unset_and_says_so():
     "print(os.environ['TF_ENABLED_DEVICE_TYPES'], os.environ['TF_CPP_MIN_LOG_LEVEL'])\n"
     "print('|'.join(choices))\n"
   )
-  result = _python(code, TF_ENABLED_DEVICE_TYPES="CPU,GPU")
+  result = _python(code, TF_ENABLED_DEVICE_TYPES="CPU,GPU", XLA_FLAGS="")
   assert result.returncode == 0, result.stderr
   values, choices = result.stdout.splitlines()
   assert values.split() == ["CPU,GPU", "2"]  # the user's value wins
   assert "TF_CPP_MIN_LOG_LEVEL=2" in choices.split("|")
+  if not console.has_accelerator():
+    assert f"XLA_FLAGS += {' '.join(console.CPU_XLA_FLAGS)}" in choices.split("|")
   assert not any(c.startswith("TF_ENABLED_DEVICE_TYPES") for c in choices.split("|"))
 
 
@@ -178,3 +180,18 @@ def test_huge_pages_is_read_from_the_command_line_as_absl_reads_the_flag():
   assert not console.asks_for_huge_pages(["--huge_pages", "--nohuge_pages"])
   assert not console.asks_for_huge_pages(["--huge_pages=false"])
   assert not console.asks_for_huge_pages(["--gin.huge_pages=True", "--huge_pagesx"])
+
+
+def test_cpu_xla_flags_are_added_without_overriding_the_users():
+  ours = list(console.CPU_XLA_FLAGS)
+  environ = {}
+  assert console.add_cpu_xla_flags(environ) == ours
+  assert environ["XLA_FLAGS"].split() == ours
+  environ = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+  console.add_cpu_xla_flags(environ)
+  assert environ["XLA_FLAGS"].split() == ["--xla_force_host_platform_device_count=8", *ours]
+  # A value the user chose is kept, and a second call adds nothing.
+  chosen = "--xla_cpu_experimental_ynn_fusion_type= --xla_disable_hlo_passes=cse"
+  environ = {"XLA_FLAGS": chosen}
+  assert console.add_cpu_xla_flags(environ) == []
+  assert environ["XLA_FLAGS"] == chosen

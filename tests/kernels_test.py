@@ -170,33 +170,3 @@ def test_the_decode_caches_take_the_kernels_layout(kernels):
     assert layer["encoder_decoder_attention"]["cached_key"].shape == (2, 4, 8, 5)
   else:  # as the projections give them: [batch, length, heads, kv]
     assert layer["self_attention"]["cached_key"].shape == (2, 11, 4, 8)
-
-
-def test_a_model_compiles_with_its_kernel_sets_xla_options():
-  assert _model(tiny_config()).compiler_options == dict(xla_cpu.COMPILER_OPTIONS)
-  assert _model(tiny_config(kernels="reference")).compiler_options == {}
-  with registry.compiling_for("tpu"):  # 'auto' for a TPU slice: no XLA:CPU options
-    assert _model(tiny_config()).compiler_options == {}
-
-
-def test_every_program_of_training_and_decoding_gets_the_options(monkeypatch):
-  """Init, train, eval, predict and score steps: each jit names the model's options, so
-  a run from Python compiles what `python -m t5x_lite.train` compiles."""
-  from t5x_lite.run import model_runner
-  from t5x_lite.training import optimizers, partitioning, trainer
-
-  seen = []
-  real_jit = jax.jit
-
-  def spying_jit(fn, **kwargs):
-    seen.append(kwargs.get("compiler_options"))
-    return real_jit(fn, **kwargs)
-
-  monkeypatch.setattr(partitioning.jax, "jit", spying_jit)
-  model, partitioner = _model(tiny_config()), partitioning.Partitioner()
-  optimizer = optimizers.adafactor(learning_rate=0.01)
-  _, shardings = trainer.init_train_state(model, optimizer, jax.random.PRNGKey(0), partitioner)
-  trainer.make_train_step(model, optimizer, partitioner, shardings)
-  trainer.make_eval_step(model, partitioner, shardings.params)
-  model_runner.ModelRunner(model, partitioner, shardings.params, model_runner.DecodeConfig(), 8)
-  assert len(seen) == 5 and all(s == dict(xla_cpu.COMPILER_OPTIONS) for s in seen), seen

@@ -41,8 +41,7 @@ same sizes (T5 1.1 configs only), with its own random weights, and times T5X's T
 train step (Adafactor from the gin file, same learning rate) under
 PjitPartitioner(num_partitions=1), and T5X's own decoding (`predict_batch_with_aux` with
 `decoding.temperature_sample` at temperature 0, and `decoding.beam_search`), at the same
-shapes, dtype, repetitions, CPUs, XLA options (XLA_FLAGS, plus the XLA_FLAGS form of
-our kernel set's compiler options, `kernels.xla_cpu.XLA_FLAGS_EQUIVALENT`) and
+shapes, dtype, repetitions, CPUs, XLA_FLAGS (ours, `console.CPU_XLA_FLAGS` included) and
 GLIBC_TUNABLES (`--huge_pages` restarts this tool with huge-page malloc; HF runs in this
 process, so it has it too). Its embedding
 is a gather (`--t5x_one_hot=false`, T5X's faster choice; the shipped gin is one-hot).
@@ -80,7 +79,7 @@ from absl import app, flags
 
 from t5x_lite import cli, models
 from t5x_lite.core import errors, gin_config
-from t5x_lite.kernels import registry, xla_cpu
+from t5x_lite.kernels import registry
 from t5x_lite.nn import flops, network
 from t5x_lite.training import optimizers
 from t5x_lite.interop import hf
@@ -313,15 +312,11 @@ def measure_ours_decode(
     "decoder_input_tokens": np.zeros((s.batch_size, s.decode_length), np.int32),
   }
   lengths = {"max_decode_len": s.decode_length, "min_decode_len": s.decode_length}
-  options = model.compiler_options or None
-  greedy = jax.jit(
-    lambda p, b: model.predict_batch(p, b, decoder_params=lengths), compiler_options=options
-  )
+  greedy = jax.jit(lambda p, b: model.predict_batch(p, b, decoder_params=lengths))
   beam = jax.jit(
     lambda p, b: model.predict_batch(
       p, b, decoder_params=lengths, num_decodes=s.num_beams, decode_fn="beam"
-    ),
-    compiler_options=options,
+    )
   )
   out = {}
   for name, fn in (("greedy", greedy), ("beam", beam)):
@@ -478,14 +473,10 @@ def run_t5x_peer(s: Settings) -> dict[str, Any]:
   Raises:
     T5XPeerError: naming the interpreter and the peer's last stderr line.
   """
-  # The same XLA options as ours (our kernel set's compiler options in their XLA_FLAGS
-  # form included): a comparison of the two codebases on one compiler, not of compiler
-  # settings; a forced device count is dropped.
+  # The same XLA options as ours (console.CPU_XLA_FLAGS included, on a CPU machine): a
+  # comparison of the two codebases on one compiler, not of compiler settings; a forced
+  # device count is dropped.
   xla_flags = os.environ.get("XLA_FLAGS", "").split()
-  if registry.select(s.config.kernels).name == "xla_cpu":
-    xla_flags += [
-      f for f in xla_cpu.XLA_FLAGS_EQUIVALENT if f.split("=")[0] not in " ".join(xla_flags)
-    ]
   env = dict(os.environ)
   env["XLA_FLAGS"] = " ".join(
     f for f in xla_flags if not f.startswith("--xla_force_host_platform_device_count")

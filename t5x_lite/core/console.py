@@ -4,9 +4,9 @@ Importing this module changes nothing. An entry point (train, eval, infer, the t
 calls `quiet_startup()` as its first statement, before TensorFlow or JAX load;
 `quiet_library_logs()` (from `t5x_lite.cli.setup` or the tool) then logs what it chose
 (`startup_choices()`) as one INFO line. A library user who imports t5x_lite from
-Python gets none of it: the process stays as they made it, and compiles the same
-programs (the kernels' XLA options travel with each program, see
-`t5x_lite.kernels.base.Kernels.compiler_options`).
+Python gets none of it: the process stays as they made it; `add_cpu_xla_flags()`,
+called before JAX starts, gives a Python process the XLA options the entry points
+compile with on a CPU machine.
 
 `quiet_startup()`:
 
@@ -20,6 +20,9 @@ programs (the kernels' XLA options travel with each program, see
   - TF_ENABLED_DEVICE_TYPES=CPU: TensorFlow, which only reads data and writes
     TensorBoard files here, never initialises CUDA (`failed call to cuInit` on a CPU
     machine, GPU memory taken from JAX on a GPU one).
+  - XLA_FLAGS gains `CPU_XLA_FLAGS` (the options the `xla_cpu` kernels were tuned
+    under), only when no accelerator device file exists and XLA_FLAGS does not name
+    them; a value of yours for either option wins.
   - JAX_PLATFORMS=cpu, only when no accelerator device file exists
     (`ACCELERATOR_DEVICES`): otherwise JAX loads libtpu to look for a TPU, which prints
     `TPU_ACCELERATOR_TYPE` and `TPU_WORKER_HOSTNAMES` errors and `Unable to initialize
@@ -70,6 +73,21 @@ TENSORFLOW_IMPORT_NOISE = (
   "All log messages before absl::InitializeLog() is called are written to STDERR",
   "cudart_stub.cc",
   "oneDNN custom operations are on",
+)
+# XLA:CPU options of the entry points on a CPU machine (`quiet_startup`):
+# - YNNPACK's reduce fusion is slow on leading-axis sums (the relative-bias gradient, a
+#   sum over batch and layers of [batch, heads, q, k]); XLA's own reduction loops are
+#   fast. YNNPACK keeps the dots. Other backends ignore xla_cpu_*.
+# - XLA:CPU's tree_reduction_rewriter splits each long reduction into windows of 32,
+#   which stops XLA from fusing it with its producers (the softmax's sums, every row
+#   reduction); RMSNorm's scale gradient, the one sum it sped up, is a matmul in the
+#   xla_cpu kernels. docs/performance.md has the measurements.
+# Given per program instead (`jax.jit(compiler_options=...)`, YNNPACK's fusion types as
+# LIBRARY_FUSION_TYPE_DOT), the same options made the T5 1.1 small train step slower
+# than these flags (docs/performance.md), so they stay process-wide, set explicitly.
+CPU_XLA_FLAGS = (
+  "--xla_cpu_experimental_ynn_fusion_type=-reduce",
+  "--xla_disable_hlo_passes=tree_reduction_rewriter",
 )
 MALLOC_HUGE_PAGES = "glibc.malloc.hugetlb=1"
 TRANSPARENT_HUGE_PAGES = "/sys/kernel/mm/transparent_hugepage/enabled"
@@ -148,6 +166,20 @@ def restart_with_huge_pages() -> tuple[bool, str]:
 def has_accelerator() -> bool:
   """Whether a TPU or GPU device file (`ACCELERATOR_DEVICES`) exists."""
   return any(glob.glob(pattern) for pattern in ACCELERATOR_DEVICES)
+
+
+def add_cpu_xla_flags(environ: dict[str, str] | None = None) -> list[str]:
+  """Appends the `CPU_XLA_FLAGS` that XLA_FLAGS does not name yet; returns those added.
+
+  Takes effect only before JAX starts its backends. `quiet_startup` calls it on a
+  machine without accelerators; Python code calls it first to compile as they do.
+  """
+  environ = os.environ if environ is None else environ
+  current = environ.get("XLA_FLAGS", "")
+  added = [flag for flag in CPU_XLA_FLAGS if flag.split("=")[0] + "=" not in current]
+  if added:
+    environ["XLA_FLAGS"] = " ".join([current.strip(), *added]).strip()
+  return added
 
 
 def default_environment(environ: Mapping[str, str], accelerator: bool) -> dict[str, str]:
@@ -238,6 +270,10 @@ def quiet_startup(import_tensorflow: bool = True) -> list[str]:
   for name, value in defaults.items():
     reason = " (no accelerator device file)" if name == "JAX_PLATFORMS" else ""
     _CHOICES.append(f"{name}={value}{reason}")
+  if not has_accelerator():
+    added = add_cpu_xla_flags()
+    if added:
+      _CHOICES.append(f"XLA_FLAGS += {' '.join(added)}")
   if import_tensorflow and "tensorflow" not in sys.modules:
     if user_log_level:
       import tensorflow  # noqa: F401

@@ -143,9 +143,6 @@ class Kernels:
     rms_norm: T5's layer norm (`RMSNormFn`).
     argmax: greedy decoding's and the accuracy metric's argmax (`ArgmaxFn`).
     cache: the decode caches' layouts.
-    compiler_options: XLA options (DebugOptions field, value) the programs that use
-      this set are compiled with (`jax.jit(compiler_options=...)`, through
-      `Partitioner.jit`): a per-program choice, never a process-wide XLA_FLAGS.
   """
 
   name: str
@@ -154,7 +151,6 @@ class Kernels:
   rms_norm: RMSNormFn
   argmax: ArgmaxFn
   cache: CacheLayouts = CacheLayouts()
-  compiler_options: tuple[tuple[str, str], ...] = ()
 
 
 def to_layout(x: Array, axes: str) -> Array:

@@ -23,12 +23,11 @@ Same results as `reference` to float rounding (tests/kernels_test.py), chosen by
 * argmax is two vectorised reductions (a max, then the smallest index holding it)
   instead of XLA:CPU's element-at-a-time (value, index) reduction.
 
-The programs that use this set are compiled with `COMPILER_OPTIONS` (XLA:CPU's
-tree-reduction rewriter and YNNPACK's reduce fusion off; see there), passed to each
-program's compilation, never set process-wide: `python -m t5x_lite.train` and
-`train_lib.train()` from a notebook compile the same program. Results do not depend on
-them; without them (`T5Config.kernels='reference'`, or another backend) the math is
-the same.
+None of this depends on a process-wide XLA flag for its results. Its speed was
+measured with the XLA:CPU options the entry points add to XLA_FLAGS on a CPU machine
+(`t5x_lite.core.console.CPU_XLA_FLAGS`: the tree-reduction rewriter and YNNPACK's
+reduce fusion off), under which XLA:CPU's softmax and row reductions run faster;
+without them these kernels are still correct.
 docs and commit messages hold the measurements.
 """
 
@@ -288,26 +287,6 @@ def argmax(x: Array) -> Array:
   return jnp.where(first >= n, first - n, first)
 
 
-# XLA:CPU options of every program that uses these kernels (DebugOptions fields):
-# - YNNPACK fusions of dots only, not of reductions (XLA's default also fuses
-#   reductions; its reduce fusion is slow on leading-axis sums such as the relative
-#   bias's gradient, a sum over batch and layers of [batch, heads, q, k]). As an
-#   XLA_FLAGS entry: --xla_cpu_experimental_ynn_fusion_type=-reduce (`XLA_FLAGS_EQUIVALENT`).
-# - XLA:CPU's tree_reduction_rewriter off: it splits each long reduction into windows
-#   of 32, which stops XLA from fusing it with its producers (the softmax's sums, every
-#   row reduction). RMSNorm's scale gradient, the one sum it sped up, is a matmul here.
-# docs/performance.md has the measurements.
-COMPILER_OPTIONS = (
-  ('xla_cpu_experimental_ynn_fusion_type', 'LIBRARY_FUSION_TYPE_DOT'),
-  ('xla_disable_hlo_passes', 'tree_reduction_rewriter'),
-)
-# The same options as XLA_FLAGS, for a process that cannot take compiler options (the
-# T5X peer of tools/benchmark.py); tests/xla_cpu_test.py checks both compile alike.
-XLA_FLAGS_EQUIVALENT = (
-  '--xla_cpu_experimental_ynn_fusion_type=-reduce',
-  '--xla_disable_hlo_passes=tree_reduction_rewriter',
-)
-
 KERNELS = Kernels(
   name='xla_cpu',
   dense=dense,
@@ -315,5 +294,4 @@ KERNELS = Kernels(
   rms_norm=rms_norm,
   argmax=argmax,
   cache=CACHE,
-  compiler_options=COMPILER_OPTIONS,
 )

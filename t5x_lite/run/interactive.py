@@ -24,8 +24,8 @@ and options. Decoder-only models decode at full `lengths` width (their width is
 their decoding length).
 
 Importing this module changes nothing global. `load` resolves the mesh over the
-devices JAX sees; the programs compile as the entry points compile them (the kernel
-set's XLA options travel with each program, `Kernels.compiler_options`).
+devices JAX sees; call `t5x_lite.core.console.add_cpu_xla_flags()` before JAX starts
+to compile as the entry points do on a CPU.
 """
 
 from __future__ import annotations
@@ -338,7 +338,6 @@ class InteractiveModel:
         optimizer.with_param_axes(self.model.param_axes()).init,
         in_shardings=(shardings.params,),
         out_shardings=shardings.opt_state,
-        compiler_options=self.model.compiler_options,
       )
       self._opt_state = init(self.params)
       step_fn = trainer.make_train_step(self.model, optimizer, self.partitioner, shardings)

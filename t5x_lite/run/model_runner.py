@@ -153,13 +153,11 @@ class ModelRunner:
       predict,
       in_shardings=(param_shardings, batch_sharding, replicated),
       out_shardings=replicated,
-      compiler_options=model.compiler_options,
     )
     self._score = partitioner.jit(
       model.score_batch,
       in_shardings=(param_shardings, batch_sharding),
       out_shardings=replicated,
-      compiler_options=model.compiler_options,
     )
     self._calls = 0
 

@@ -29,7 +29,7 @@ for train, eval and infer.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import flax.linen as nn
@@ -243,18 +243,12 @@ class Partitioner:
     in_shardings: Any,
     out_shardings: Any,
     donate_argnums: Sequence[int] = (),
-    compiler_options: Mapping[str, str] | None = None,
   ) -> PartitionedFunction:
-    """`jax.jit` with explicit shardings; calls and lowerings enter `context()`.
-
-    `compiler_options` are XLA options for this program only (a model's
-    `compiler_options`: those of its kernel set), never process-wide flags.
-    """
+    """`jax.jit` with explicit shardings; calls and lowerings enter `context()`."""
     jitted = jax.jit(
       fn,
       in_shardings=in_shardings,
       out_shardings=out_shardings,
       donate_argnums=tuple(donate_argnums),
-      compiler_options=dict(compiler_options) if compiler_options else None,
     )
     return PartitionedFunction(jitted, self)

@@ -169,7 +169,6 @@ def init_train_state(
     init_fn,
     in_shardings=partitioner.replicated,
     out_shardings=state_shardings.replace(teacher_params=None),
-    compiler_options=model.compiler_options,
   )
   return init(rng), state_shardings
 
@@ -336,7 +335,6 @@ def make_train_step(
     in_shardings=(state_shardings, partitioner.batch_sharding, partitioner.replicated),
     out_shardings=(state_shardings, partitioner.replicated),
     donate_argnums=(0,),
-    compiler_options=model.compiler_options,
   )
 
 
@@ -370,5 +368,4 @@ def make_eval_step(
     lambda params, batch: eval_step(model, params, batch),
     in_shardings=(param_shardings, partitioner.batch_sharding),
     out_shardings=partitioner.replicated,
-    compiler_options=model.compiler_options,
   )
