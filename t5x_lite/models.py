@@ -17,7 +17,6 @@ train and decode a model over any object with `eos_id` and `vocab_size`.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Mapping
 
 import flax.linen as nn
@@ -96,7 +95,7 @@ class EncoderDecoderModel:
 
     Nothing is allocated: the params are traced with an abstract key.
     """
-    return nn.get_partition_spec(abstract_boxed_params(self.init_params))
+    return nn.get_partition_spec(layers.abstract_boxed_params(self.init_params))
 
   @property
   def compiler_options(self) -> dict[str, str]:
@@ -497,25 +496,6 @@ def teacher_forced_logits(
     output_hidden=output_hidden,
     rngs=rngs,
   )
-
-
-@functools.lru_cache(maxsize=8)
-def abstract_boxed_params(init_params: Callable[[jax.Array], PyTree]) -> PyTree:
-  """`init_params` traced with an abstract PRNG key: the boxed params as shapes.
-
-  Nothing is allocated. Traced once per callable (a model's bound `init_params`
-  is the same key on every call): the entry points ask for the same shapes and
-  axes several times while they set up (`EncoderDecoderModel.param_axes`,
-  `partitioning.Partitioner.abstract_params`), and each trace of a network costs a
-  fraction of a second of Python.
-
-  Args:
-    init_params: rng -> boxed parameter tree (`nn.LogicallyPartitioned` leaves).
-
-  Returns:
-    The tree `init_params` returns, with `jax.ShapeDtypeStruct` values.
-  """
-  return jax.eval_shape(init_params, jax.ShapeDtypeStruct((2,), jnp.uint32))
 
 
 def _zero_after_eos(tokens: jax.Array, eos_id: int) -> jax.Array:
