@@ -12,12 +12,13 @@ divided by the same normalising factor as the plain loss, so alpha = 0 is exactl
 the plain objective (z-loss and label smoothing included).
 
 The teacher is any checkpoint over the same vocabulary (its size and depth are
-free): `DistillationModel` builds its network from the config the checkpoint
-stores. Its parameters travel in `TrainState.teacher_params`, sharded by their
-logical axes like the student's, and its forward pass runs inside the same jitted
-train step; `jax.grad` differentiates the student's parameters only (and the teacher's
-logits pass through `stop_gradient`), so the teacher gets no gradients, no optimizer
-state and no checkpoint of its own: a resumed run restores it again from its path.
+free): `build_distillation_model` builds its model from the config the checkpoint
+stores. Its parameters are the `DistillationModel`'s auxiliary state
+(`t5x_lite.base_model`; `TrainState.aux_state`), sharded by their logical axes like the
+student's, and its forward pass runs inside the same jitted train step; `jax.grad`
+differentiates the student's parameters only (and the teacher's logits pass through
+`stop_gradient`), so the teacher gets no gradients, no optimizer state and no checkpoint
+of its own: a resumed run restores it again from its path.
 
 Evaluation (`eval_fn`, the periodic eval loss) reports the student's plain
 cross-entropy, comparable with runs without a teacher.
@@ -37,11 +38,10 @@ import jax
 import jax.numpy as jnp
 from absl import logging
 
-from t5x_lite import models
-from t5x_lite.nn import losses, network
+from t5x_lite import base_model, models
+from t5x_lite.nn import flops, losses, network
 from t5x_lite.checkpoint import checkpoints
 from t5x_lite.core.errors import ConfigError
-from t5x_lite.kernels import registry
 from t5x_lite.core.types import PyTree
 
 if TYPE_CHECKING:
@@ -97,49 +97,70 @@ def teacher_config(step_dir: os.PathLike[str] | str) -> network.T5Config:
   return network.T5Config(**fields)
 
 
-class DistillationModel(models.EncoderDecoderModel):
-  """An EncoderDecoderModel (the student) whose training loss follows a teacher.
+class DistillationModel(base_model.BaseModel):
+  """A student model whose training loss follows a frozen teacher model's soft targets.
+
+  The student is what trains, evaluates, scores, predicts and is saved; the teacher's
+  params are this model's auxiliary state (`base_model.BaseModel`): restored from
+  `teacher_checkpoint` at every start, read by `loss_fn`, never updated or saved.
 
   Args:
-    module: the student network.
-    input_vocabulary / output_vocabulary: the student's (and teacher's) vocabularies.
-    teacher_module: the teacher network (`network.Transformer` of its stored config).
-    teacher_checkpoint: the teacher's step directory (restored by `restore_teacher`).
+    student: the model that trains.
+    teacher: the model whose logits the student follows (any size, same vocabulary).
+    teacher_checkpoint: the teacher's step directory (restored by `start_aux_state`).
     alpha: weight of the soft-target term, in [0, 1]; 0 trains on the targets only.
     temperature: softmax temperature T > 0 of both distributions in the soft term.
-    **kwargs: `EncoderDecoderModel` options (z_loss, label_smoothing, ...).
   """
 
   def __init__(
     self,
-    module: network.Transformer,
-    input_vocabulary: seqio.Vocabulary,
-    output_vocabulary: seqio.Vocabulary,
+    student: models.BaseTransformerModel,
+    teacher: models.BaseTransformerModel,
     *,
-    teacher_module: network.Transformer,
     teacher_checkpoint: os.PathLike[str] | str,
     alpha: float,
     temperature: float,
-    **kwargs: Any,
   ):
-    super().__init__(module, input_vocabulary, output_vocabulary, **kwargs)
-    self.teacher_module = teacher_module
+    self.student = student
+    self.teacher = teacher
+    self.input_vocabulary = student.input_vocabulary
+    self.output_vocabulary = student.output_vocabulary
     self.teacher_checkpoint = teacher_checkpoint
     self.alpha = alpha
     self.temperature = temperature
 
-  def init_teacher_params(self, rng: jax.Array) -> PyTree:
-    """Boxed teacher params of the right shapes and axes (restore target only)."""
-    return models.init_params(self.teacher_module.config, rng)
+  @property
+  def network_config(self) -> network.T5Config:
+    """The student's."""
+    return self.student.network_config
 
-  def restore_teacher(self, abstract: PyTree) -> PyTree:
+  def init_params(self, rng: jax.Array) -> PyTree:
+    """The student's boxed initial params."""
+    return self.student.init_params(rng)
+
+  def loss_normalization(self, batch: Batch) -> base_model.Normalization:
+    """The student's (its `loss_normalizing_factor`)."""
+    return self.student.loss_normalization(batch)
+
+  def init_aux_state(self, rng: jax.Array) -> PyTree:
+    """Boxed teacher params of the right shapes and axes (restore target only)."""
+    return self.teacher.init_params(rng)
+
+  def start_aux_state(self, abstract: PyTree, params: PyTree) -> PyTree:
     """The teacher's params from its checkpoint, sharded like `abstract`."""
+    del params
     logging.info("Restoring the distillation teacher from %s", self.teacher_checkpoint)
     return checkpoints.restore_params(self.teacher_checkpoint, abstract)
 
-  def _teacher_logits(self, teacher_params: PyTree, batch: Batch) -> jax.Array:
-    """The teacher's teacher-forced logits [batch, length, vocab], no dropout."""
-    logits = models.teacher_forced_logits(self.teacher_module, teacher_params, batch, None)
+  def train_flops_per_step(self, batch_size: int, input_length: int, target_length: int) -> float:
+    """The student's training FLOPs plus the teacher's forward passes."""
+    teacher = flops.forward_flops(self.teacher.network_config, input_length, target_length)
+    student = self.student.train_flops_per_step(batch_size, input_length, target_length)
+    return student + teacher * batch_size
+
+  def teacher_logits(self, teacher_params: PyTree, batch: Batch) -> jax.Array:
+    """The teacher's teacher-forced logits [batch, length, vocab], no dropout, no gradient."""
+    logits = self.teacher.teacher_forced_logits(teacher_params, batch, None)
     return jax.lax.stop_gradient(logits)
 
   def loss_fn(
@@ -148,10 +169,11 @@ class DistillationModel(models.EncoderDecoderModel):
     batch: Batch,
     dropout_rng: jax.Array | None,
     *,
-    normalization: tuple[float | jax.Array, jax.Array] | None = None,
-    teacher_params: PyTree | None = None,
+    normalization: base_model.Normalization | None = None,
+    aux_state: PyTree = None,
   ) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """The distillation loss, or the plain loss when `teacher_params` is None (eval).
+    """The distillation loss against the teacher params `aux_state`, or the student's
+    plain loss when `aux_state` is None (evaluation).
 
     Returns:
       (loss, metric sums): `loss` is the module docstring's objective; the sums are
@@ -159,26 +181,51 @@ class DistillationModel(models.EncoderDecoderModel):
       by the objective and `distill_kl` (the normalised soft-target KL, before
       alpha * T**2) added.
     """
-    if teacher_params is None:
-      return super().loss_fn(params, batch, dropout_rng, normalization=normalization)
-    factor, weights = normalization or self.loss_normalization(batch)
-    logits = self._logits(params, batch, dropout_rng)
-    hard, z_loss = self._cross_entropy(logits, batch, weights, factor)
-    kl = soft_target_kl(logits, self._teacher_logits(teacher_params, batch), self.temperature)
+    student = self.student
+    if aux_state is None:
+      return student.loss_fn(params, batch, dropout_rng, normalization=normalization)
+    factor, weights = normalization or student.loss_normalization(batch)
+    logits = student.teacher_forced_logits(params, batch, dropout_rng)
+    hard, z_loss = student.cross_entropy(logits, batch, weights, factor)
+    kl = soft_target_kl(logits, self.teacher_logits(aux_state, batch), self.temperature)
     soft = jnp.sum(kl * weights) / factor
     loss = self.alpha * self.temperature**2 * soft + (1.0 - self.alpha) * hard
-    argmax = registry.select(self.module.config.kernels).argmax
-    correct = losses.token_correct(logits, batch["decoder_target_tokens"], argmax)
+    correct = student.token_correct(logits, batch["decoder_target_tokens"])
     sums = losses.metric_sums(correct, batch, weights, hard, z_loss)
     return loss, {**sums, "loss": loss, "distill_kl": soft}
 
-  @staticmethod
-  def finalize_metrics(sums: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
-    """`losses.finalize_metrics`, plus `distill_kl` in training."""
-    metrics = losses.finalize_metrics(sums)
+  def finalize_metrics(self, sums: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
+    """The student's metrics, plus `distill_kl` in training."""
+    metrics = self.student.finalize_metrics(sums)
     if "distill_kl" in sums:
       metrics["distill_kl"] = sums["distill_kl"]
     return metrics
+
+  def score_batch(self, params: PyTree, batch: Batch) -> jax.Array:
+    """The student's scores."""
+    return self.student.score_batch(params, batch)
+
+  def predict_batch_with_aux(
+    self,
+    params: PyTree,
+    batch: Batch,
+    rng: jax.Array | None = None,
+    *,
+    decoder_params: Mapping[str, Any] | None = None,
+    return_all_decodes: bool = False,
+    num_decodes: int = 1,
+    decode_fn: str = "greedy",
+  ) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """The student's predictions."""
+    return self.student.predict_batch_with_aux(
+      params,
+      batch,
+      rng,
+      decoder_params=decoder_params,
+      return_all_decodes=return_all_decodes,
+      num_decodes=num_decodes,
+      decode_fn=decode_fn,
+    )
 
 
 @gin.configurable
@@ -213,7 +260,7 @@ def build_distillation_model(
   [(_, step_dir)] = checkpoints.find_steps(teacher_checkpoint_path)
   teacher = teacher_config(step_dir)
   for role, architecture in (
-    ("student", student.module.config.architecture),
+    ("student", student.network_config.architecture),
     ("teacher", teacher.architecture),
   ):
     if architecture != "encoder_decoder":
@@ -226,22 +273,19 @@ def build_distillation_model(
       "Distillation compares the student's whole logits with the teacher's; unset "
       f"EncoderDecoderModel.loss_chunk_length (it is {student.loss_chunk_length})."
     )
-  if teacher.vocab_size != student.module.config.vocab_size:
+  if teacher.vocab_size != student.network_config.vocab_size:
     raise ConfigError(
       f"The teacher {teacher_checkpoint_path} has vocab_size {teacher.vocab_size} and the "
-      f"student T5Config.vocab_size {student.module.config.vocab_size}; distillation needs "
+      f"student T5Config.vocab_size {student.network_config.vocab_size}; distillation needs "
       "the same vocabulary."
     )
   logging.info("Distilling from %s (%s), alpha %g, T %g", step_dir, teacher, alpha, temperature)
   return DistillationModel(
-    student.module,
-    student.input_vocabulary,
-    student.output_vocabulary,
-    teacher_module=models.network_module(teacher),
+    student,
+    models.EncoderDecoderModel(
+      models.network_module(teacher), student.input_vocabulary, student.output_vocabulary
+    ),
     teacher_checkpoint=step_dir,
     alpha=alpha,
     temperature=temperature,
-    z_loss=student.z_loss,
-    label_smoothing=student.label_smoothing,
-    loss_normalizing_factor=student.loss_normalizing_factor,
   )

@@ -1,13 +1,16 @@
-"""EncoderDecoderModel: loss, metrics, scoring and predictions on top of the network.
+"""The transformer members of the model contract: EncoderDecoderModel, DecoderOnlyModel.
 
-The model layer owns what T5X's `models.EncoderDecoderModel` owns: the loss (with
-z-loss, label smoothing and a loss normalizing mode), metric statistics, per-example
-scores and autoregressive predictions through `t5x_lite.nn.decoding`. It never jits and
-never touches a mesh; `t5x_lite.training.partitioning.Partitioner` does both. `build_model`
-is the one place a model is built from a network config and the vocabulary.
+The model layer owns what T5X's `models.py` owns: the loss (with z-loss, label
+smoothing and a loss normalizing mode), metric statistics, per-example scores and
+autoregressive predictions through `t5x_lite.nn.decoding`. It never jits and never
+touches a mesh; `t5x_lite.training.partitioning.Partitioner` does both.
 
-Metrics travel as sums (`losses.metric_sums`) so they add over microbatches;
-`finalize_metrics` turns them into the reported values.
+`EncoderDecoderModel` and `DecoderOnlyModel` are siblings under `BaseTransformerModel`
+(the shared loss, scoring and decoding loop), a `t5x_lite.base_model.BaseModel`: each
+says how its network reads a batch (`teacher_forced_logits`) and how decoding starts and
+ends (`_decoding_inputs`, `_generated`). Gin configures each under its own name
+(`EncoderDecoderModel.z_loss`, `DecoderOnlyModel.z_loss`, ...). `build_model` is the one
+place a model is built from a network config and the vocabulary.
 
 Importing this module loads no TensorFlow (seqio and `t5x_lite.data.vocab` load only when
 `build_model` needs the configured vocabulary), so a host with JAX alone can build,
@@ -16,8 +19,8 @@ train and decode a model over any object with `eos_id` and `vocab_size`.
 
 from __future__ import annotations
 
+import abc
 import functools
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Mapping
 
 import flax.linen as nn
@@ -25,6 +28,7 @@ import gin
 import jax
 import jax.numpy as jnp
 
+from t5x_lite import base_model
 from t5x_lite.nn import decoder_only, decoding, layers, losses, network, shared_encoder_decoder
 from t5x_lite.core.errors import ConfigError
 from t5x_lite.kernels import registry
@@ -37,12 +41,14 @@ Batch = Mapping[str, jax.Array]
 _DECODER_PARAM_KEYS = ("temperature", "topk", "topp", "alpha", "max_decode_len", "min_decode_len")
 
 
-@gin.configurable
-class EncoderDecoderModel:
-  """T5 encoder-decoder model wrapper (loss, metrics, scoring, decoding).
+class BaseTransformerModel(base_model.BaseModel):
+  """A T5 network's teacher-forced loss, scores and decoding (T5X's BaseTransformerModel).
+
+  Members say how their network reads a batch (`teacher_forced_logits`) and how decoding
+  starts and ends (`_decoding_inputs`, `_generated`).
 
   Attributes:
-    module: the flax `network.Transformer`.
+    module: the flax network.
     input_vocabulary: vocabulary of the inputs.
     output_vocabulary: vocabulary of the targets (its `eos_id` ends decoding).
     z_loss: z-loss coefficient.
@@ -74,7 +80,7 @@ class EncoderDecoderModel:
       or loss_chunk_length < 1
     ):
       raise ConfigError(
-        "EncoderDecoderModel.loss_chunk_length must be None or a positive integer, got "
+        f"{type(self).__name__}.loss_chunk_length must be None or a positive integer, got "
         f"{loss_chunk_length!r}."
       )
     self.module = module
@@ -85,26 +91,29 @@ class EncoderDecoderModel:
     self.loss_normalizing_factor = loss_normalizing_factor
     self.loss_chunk_length = loss_chunk_length
 
-  # ------------------------------------------------------------------ init
+  @property
+  def network_config(self) -> network.T5Config:
+    """`module.config`."""
+    return self.module.config
 
   def init_params(self, rng: jax.Array) -> PyTree:
     """Boxed initial params (`nn.LogicallyPartitioned` leaves) from one PRNG key."""
     return init_params(self.module.config, rng)
 
-  def param_axes(self) -> PyTree:
-    """The params' tree of logical axis names (a `PartitionSpec` of names per leaf).
+  @abc.abstractmethod
+  def teacher_forced_logits(
+    self,
+    params: PyTree,
+    batch: Batch,
+    dropout_rng: jax.Array | None,
+    *,
+    output_hidden: bool = False,
+  ) -> jax.Array:
+    """The network's float32 logits [batch, target_len, vocab] on a batch, packed ones
+    included; dropout iff `dropout_rng`. `output_hidden`: the decoder's final hidden
+    states [batch, target_len, embed] instead, the input of `network.apply_logits_head`."""
 
-    Nothing is allocated: the params are traced with an abstract key.
-    """
-    return nn.get_partition_spec(abstract_boxed_params(self.init_params))
-
-  # ------------------------------------------------------------------ loss
-
-  def _logits(self, params: PyTree, batch: Batch, dropout_rng: jax.Array | None) -> jax.Array:
-    """Teacher-forced logits [batch, target_len, vocab]."""
-    return teacher_forced_logits(self.module, params, batch, dropout_rng)
-
-  def _cross_entropy(
+  def cross_entropy(
     self, logits: jax.Array, batch: Batch, weights: jax.Array, factor: float | jax.Array
   ) -> tuple[jax.Array, jax.Array]:
     """(loss, z_loss) of `logits` against the batch's targets, with this model's settings."""
@@ -118,19 +127,13 @@ class EncoderDecoderModel:
     )
     return loss, z_loss
 
-  def loss_normalization(self, batch: Batch) -> tuple[float | jax.Array, jax.Array]:
-    """The normalizing factor and loss weights of a whole batch.
+  def token_correct(self, logits: jax.Array, targets: jax.Array) -> jax.Array:
+    """Whether each position's most likely id [batch, target_len] is its target (the
+    argmax of this model's kernel set)."""
+    return losses.token_correct(logits, targets, registry.select(self.module.config.kernels).argmax)
 
-    The trainer calls this once on the full batch and passes the results to every
-    microbatch's `loss_fn`, so accumulated losses and gradients equal the full-batch
-    ones for every normalizing mode.
-
-    Args:
-      batch: the full batch.
-
-    Returns:
-      (factor, weights [batch, target_len] float32); factor 1.0 means a plain sum.
-    """
+  def loss_normalization(self, batch: Batch) -> base_model.Normalization:
+    """See `BaseModel.loss_normalization` (the mode of `loss_normalizing_factor`)."""
     factor, weights = losses.get_loss_normalizing_factor_and_weights(
       self.loss_normalizing_factor, batch
     )
@@ -142,24 +145,16 @@ class EncoderDecoderModel:
     batch: Batch,
     dropout_rng: jax.Array | None,
     *,
-    normalization: tuple[float | jax.Array, jax.Array] | None = None,
+    normalization: base_model.Normalization | None = None,
+    aux_state: PyTree = None,
   ) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """Loss and metric statistics of a teacher-forced pass.
-
-    Args:
-      params: plain (unboxed) or boxed params.
-      batch: EncDecFeatureConverter features.
-      dropout_rng: PRNG key for dropout; None disables dropout.
-      normalization: (factor, weights) from `loss_normalization` of the enclosing full
-        batch (used for microbatches); None computes them from `batch`.
-
-    Returns:
-      (loss, metric sums) — `finalize_metrics` turns the sums into metrics.
-    """
+    """Loss and metric sums of a teacher-forced pass (see `BaseModel.loss_fn`; these
+    models keep no auxiliary state)."""
+    del aux_state
     factor, weights = normalization or self.loss_normalization(batch)
     targets = batch["decoder_target_tokens"]
     if self.loss_chunk_length:
-      hidden = teacher_forced_logits(self.module, params, batch, dropout_rng, output_hidden=True)
+      hidden = self.teacher_forced_logits(params, batch, dropout_rng, output_hidden=True)
       loss, z_loss, correct = losses.chunked_cross_entropy(
         functools.partial(network.apply_logits_head, self.module.config, params),
         hidden,
@@ -172,45 +167,20 @@ class EncoderDecoderModel:
         argmax=registry.select(self.module.config.kernels).argmax,
       )
     else:
-      logits = self._logits(params, batch, dropout_rng)
-      loss, z_loss = self._cross_entropy(logits, batch, weights, factor)
-      correct = losses.token_correct(
-        logits, targets, registry.select(self.module.config.kernels).argmax
-      )
+      logits = self.teacher_forced_logits(params, batch, dropout_rng)
+      loss, z_loss = self.cross_entropy(logits, batch, weights, factor)
+      correct = self.token_correct(logits, targets)
     return loss, losses.metric_sums(correct, batch, weights, loss, z_loss)
-
-  @staticmethod
-  def finalize_metrics(sums: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
-    """Metric sums -> {loss, cross_ent_loss, z_loss, accuracy, nonpadding_fraction,
-    num_sequences, num_tokens, num_input_tokens} (see `losses.finalize_metrics`)."""
-    return losses.finalize_metrics(sums)
-
-  def eval_fn(self, params: PyTree, batch: Batch) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """Loss and finalized metrics without dropout.
-
-    Args:
-      params: model params.
-      batch: EncDecFeatureConverter features.
-
-    Returns:
-      (loss, metrics) with the metric names of `finalize_metrics`.
-    """
-    loss, sums = self.loss_fn(params, batch, None)
-    return loss, self.finalize_metrics(sums)
 
   def score_batch(self, params: PyTree, batch: Batch) -> jax.Array:
     """Per-example sum of target log-likelihoods.
 
     Tokens are weighted by `decoder_loss_weights` when present, else target > 0.
 
-    Args:
-      params: model params.
-      batch: EncDecFeatureConverter features.
-
     Returns:
       [batch] float32 scores (log-probabilities, <= 0).
     """
-    logits = self._logits(params, batch, None).astype(jnp.float32)
+    logits = self.teacher_forced_logits(params, batch, None).astype(jnp.float32)
     targets = batch["decoder_target_tokens"]
     weights = batch.get("decoder_loss_weights")
     weights = targets > 0 if weights is None else weights
@@ -219,7 +189,130 @@ class EncoderDecoderModel:
     token_scores = jnp.take_along_axis(log_probs, targets[..., None], axis=-1)[..., 0]
     return jnp.sum(token_scores * weights, axis=-1)
 
-  # ------------------------------------------------------------ prediction
+  @abc.abstractmethod
+  def _decoding_inputs(
+    self,
+    params: PyTree,
+    batch: Batch,
+    num_decodes: int,
+    max_decode_len: int | None,
+    min_decode_len: int,
+  ) -> tuple[jax.Array, PyTree, decoding.TokensToLogits, jax.Array | int]:
+    """(prompt [batch, max_len], cache for batch * num_decodes rows, tokens_to_logits,
+    initial step) for `t5x_lite.nn.decoding`."""
+
+  @abc.abstractmethod
+  def _generated(
+    self, tokens: jax.Array, prompt: jax.Array, max_decode_len: int | None
+  ) -> jax.Array:
+    """The generated part of decoded tokens [batch, decodes, len]."""
+
+  def predict_batch_with_aux(
+    self,
+    params: PyTree,
+    batch: Batch,
+    rng: jax.Array | None = None,
+    *,
+    decoder_params: Mapping[str, Any] | None = None,
+    return_all_decodes: bool = False,
+    num_decodes: int = 1,
+    decode_fn: str = "greedy",
+  ) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Autoregressive predictions with their scores.
+
+    Args:
+      params: model params.
+      batch: the inputs (`encoder_input_tokens`; a decoder-only model's prompts, see
+        `DecoderOnlyModel`); the output length is `decoder_params['max_decode_len']` if
+        given, else the length of `decoder_input_tokens`.
+      rng: PRNG key for sampling (default PRNGKey(0)).
+      decoder_params: optional temperature, topk, topp (sampling), alpha (beam),
+        max_decode_len, min_decode_len.
+      return_all_decodes: return all `num_decodes` sequences instead of the best.
+      num_decodes: samples or beams per example.
+      decode_fn: 'greedy' (temperature 0), 'sample' or 'beam'.
+
+    Returns:
+      (tokens [batch, len] or [batch, num_decodes, len] int32 without BOS, 0 after
+      EOS; {'scores': [batch] or [batch, num_decodes]}), best first.
+
+    Raises:
+      ValueError: for an unknown decode_fn or decoder param.
+    """
+    decoder_params = dict(decoder_params or {})
+    unknown = set(decoder_params) - set(_DECODER_PARAM_KEYS)
+    if unknown or decode_fn not in ("greedy", "sample", "beam"):
+      raise ValueError(f"Bad decode_fn {decode_fn!r} or decoder_params {sorted(unknown)}.")
+    max_len = decoder_params.pop("max_decode_len", None)
+    min_len = decoder_params.pop("min_decode_len", 0)
+    prompt, cache, tokens_to_logits, initial_step = self._decoding_inputs(
+      params, batch, num_decodes, max_len, min_len
+    )
+    eos_id = self.output_vocabulary.eos_id
+    if decode_fn == "beam":
+      tokens, scores = decoding.beam_search(
+        prompt,
+        cache,
+        tokens_to_logits,
+        eos_id,
+        num_decodes=num_decodes,
+        alpha=decoder_params.get("alpha", 0.6),
+        min_decode_len=min_len,
+        initial_step=initial_step,
+      )
+    else:
+      sampling = {k: v for k, v in decoder_params.items() if k != "alpha"}
+      if decode_fn == "greedy":
+        sampling = {"temperature": 0.0}
+      tokens, scores = decoding.temperature_sample(
+        prompt,
+        cache,
+        tokens_to_logits,
+        eos_id,
+        jax.random.PRNGKey(0) if rng is None else rng,
+        num_decodes=num_decodes,
+        min_decode_len=min_len,
+        initial_step=initial_step,
+        argmax=registry.select(self.module.config.kernels).argmax,
+        **sampling,
+      )
+    tokens = _zero_after_eos(self._generated(tokens, prompt, max_len), eos_id)
+    if return_all_decodes:
+      return tokens, {"scores": scores}
+    return tokens[:, 0], {"scores": scores[:, 0]}
+
+
+@gin.configurable
+class EncoderDecoderModel(BaseTransformerModel):
+  """T5 encoder-decoder model (T5X's `EncoderDecoderModel`) over EncDecFeatureConverter
+  features; `module` is a `network.Transformer` or a
+  `shared_encoder_decoder.SharedTransformer`.
+
+  Attributes: those of `BaseTransformerModel` (gin: `EncoderDecoderModel.z_loss`, ...).
+  """
+
+  def teacher_forced_logits(
+    self,
+    params: PyTree,
+    batch: Batch,
+    dropout_rng: jax.Array | None,
+    *,
+    output_hidden: bool = False,
+  ) -> jax.Array:
+    """See `BaseTransformerModel.teacher_forced_logits`."""
+    return self.module.apply(
+      {"params": params},
+      batch["encoder_input_tokens"],
+      batch["decoder_input_tokens"],
+      batch["decoder_target_tokens"],
+      encoder_segment_ids=batch.get("encoder_segment_ids"),
+      decoder_segment_ids=batch.get("decoder_segment_ids"),
+      encoder_positions=batch.get("encoder_positions"),
+      decoder_positions=batch.get("decoder_positions"),
+      enable_dropout=dropout_rng is not None,
+      output_hidden=output_hidden,
+      rngs=None if dropout_rng is None else {"dropout": dropout_rng},
+    )
 
   def _decoding_inputs(
     self,
@@ -284,92 +377,9 @@ class EncoderDecoderModel:
     del prompt, max_decode_len  # the decoding buffer is max_decode_len wide already
     return tokens
 
-  def predict_batch_with_aux(
-    self,
-    params: PyTree,
-    batch: Batch,
-    rng: jax.Array | None = None,
-    *,
-    decoder_params: Mapping[str, Any] | None = None,
-    return_all_decodes: bool = False,
-    num_decodes: int = 1,
-    decode_fn: str = "greedy",
-  ) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """Autoregressive predictions with their scores.
 
-    Args:
-      params: model params.
-      batch: needs `encoder_input_tokens`; the output length is
-        `decoder_params['max_decode_len']` if given, else the length of
-        `decoder_input_tokens`.
-      rng: PRNG key for sampling (default PRNGKey(0)).
-      decoder_params: optional temperature, topk, topp (sampling), alpha (beam),
-        max_decode_len, min_decode_len.
-      return_all_decodes: return all `num_decodes` sequences instead of the best.
-      num_decodes: samples or beams per example.
-      decode_fn: 'greedy' (temperature 0), 'sample' or 'beam'.
-
-    Returns:
-      (tokens [batch, len] or [batch, num_decodes, len] int32 without BOS, 0 after
-      EOS; {'scores': [batch] or [batch, num_decodes]}), best first.
-
-    Raises:
-      ValueError: for an unknown decode_fn or decoder param.
-    """
-    decoder_params = dict(decoder_params or {})
-    unknown = set(decoder_params) - set(_DECODER_PARAM_KEYS)
-    if unknown or decode_fn not in ("greedy", "sample", "beam"):
-      raise ValueError(f"Bad decode_fn {decode_fn!r} or decoder_params {sorted(unknown)}.")
-    max_len = decoder_params.pop("max_decode_len", None)
-    min_len = decoder_params.pop("min_decode_len", 0)
-    prompt, cache, tokens_to_logits, initial_step = self._decoding_inputs(
-      params, batch, num_decodes, max_len, min_len
-    )
-    eos_id = self.output_vocabulary.eos_id
-    if decode_fn == "beam":
-      tokens, scores = decoding.beam_search(
-        prompt,
-        cache,
-        tokens_to_logits,
-        eos_id,
-        num_decodes=num_decodes,
-        alpha=decoder_params.get("alpha", 0.6),
-        min_decode_len=min_len,
-        initial_step=initial_step,
-      )
-    else:
-      sampling = {k: v for k, v in decoder_params.items() if k != "alpha"}
-      if decode_fn == "greedy":
-        sampling = {"temperature": 0.0}
-      tokens, scores = decoding.temperature_sample(
-        prompt,
-        cache,
-        tokens_to_logits,
-        eos_id,
-        jax.random.PRNGKey(0) if rng is None else rng,
-        num_decodes=num_decodes,
-        min_decode_len=min_len,
-        initial_step=initial_step,
-        argmax=registry.select(self.module.config.kernels).argmax,
-        **sampling,
-      )
-    tokens = _zero_after_eos(self._generated(tokens, prompt, max_len), eos_id)
-    if return_all_decodes:
-      return tokens, {"scores": scores}
-    return tokens[:, 0], {"scores": scores[:, 0]}
-
-  def predict_batch(
-    self,
-    params: PyTree,
-    batch: Batch,
-    rng: jax.Array | None = None,
-    **kwargs: Any,
-  ) -> jax.Array:
-    """`predict_batch_with_aux` without the scores (same arguments)."""
-    return self.predict_batch_with_aux(params, batch, rng, **kwargs)[0]
-
-
-class DecoderOnlyModel(EncoderDecoderModel):
+@gin.configurable
+class DecoderOnlyModel(BaseTransformerModel):
   """Decoder-only language model or prefix LM (T5X's `DecoderOnlyModel`).
 
   Same loss, metrics and scoring as `EncoderDecoderModel`, over seqio's decoder
@@ -381,9 +391,30 @@ class DecoderOnlyModel(EncoderDecoderModel):
   prompt's tokens and then generates, and the prompt is cut off the result. Scores count
   only generated tokens; a beam's length penalty counts the prompt's length too.
 
-  Attributes: as `EncoderDecoderModel`; `module` is a
-  `decoder_only.DecoderOnlyTransformer`.
+  Attributes: those of `BaseTransformerModel` (gin: `DecoderOnlyModel.z_loss`, ...);
+  `module` is a `decoder_only.DecoderOnlyTransformer`.
   """
+
+  def teacher_forced_logits(
+    self,
+    params: PyTree,
+    batch: Batch,
+    dropout_rng: jax.Array | None,
+    *,
+    output_hidden: bool = False,
+  ) -> jax.Array:
+    """See `BaseTransformerModel.teacher_forced_logits` (DecoderFeatureConverter features)."""
+    return self.module.apply(
+      {"params": params},
+      batch["decoder_input_tokens"],
+      batch["decoder_target_tokens"],
+      decoder_segment_ids=batch.get("decoder_segment_ids"),
+      decoder_positions=batch.get("decoder_positions"),
+      decoder_causal_attention=batch.get("decoder_causal_attention"),
+      enable_dropout=dropout_rng is not None,
+      output_hidden=output_hidden,
+      rngs=None if dropout_rng is None else {"dropout": dropout_rng},
+    )
 
   def _decoding_inputs(
     self,
@@ -449,66 +480,6 @@ class DecoderOnlyModel(EncoderDecoderModel):
     return generated[..., :max_decode_len] if max_decode_len else generated
 
 
-def teacher_forced_logits(
-  module: network.Transformer | decoder_only.DecoderOnlyTransformer,
-  params: PyTree,
-  batch: Batch,
-  dropout_rng: jax.Array | None,
-  *,
-  output_hidden: bool = False,
-) -> jax.Array:
-  """`module`'s float32 logits [batch, target_len, vocab] on a batch of
-  EncDecFeatureConverter (or, for a decoder-only module, DecoderFeatureConverter)
-  features, packing ones included; dropout iff `dropout_rng`. `output_hidden`: the
-  decoder's final hidden states [batch, target_len, embed] instead, the input of
-  `network.apply_logits_head`."""
-  rngs = None if dropout_rng is None else {"dropout": dropout_rng}
-  if isinstance(module, decoder_only.DecoderOnlyTransformer):
-    return module.apply(
-      {"params": params},
-      batch["decoder_input_tokens"],
-      batch["decoder_target_tokens"],
-      decoder_segment_ids=batch.get("decoder_segment_ids"),
-      decoder_positions=batch.get("decoder_positions"),
-      decoder_causal_attention=batch.get("decoder_causal_attention"),
-      enable_dropout=dropout_rng is not None,
-      output_hidden=output_hidden,
-      rngs=rngs,
-    )
-  return module.apply(
-    {"params": params},
-    batch["encoder_input_tokens"],
-    batch["decoder_input_tokens"],
-    batch["decoder_target_tokens"],
-    encoder_segment_ids=batch.get("encoder_segment_ids"),
-    decoder_segment_ids=batch.get("decoder_segment_ids"),
-    encoder_positions=batch.get("encoder_positions"),
-    decoder_positions=batch.get("decoder_positions"),
-    enable_dropout=dropout_rng is not None,
-    output_hidden=output_hidden,
-    rngs=rngs,
-  )
-
-
-@functools.lru_cache(maxsize=8)
-def abstract_boxed_params(init_params: Callable[[jax.Array], PyTree]) -> PyTree:
-  """`init_params` traced with an abstract PRNG key: the boxed params as shapes.
-
-  Nothing is allocated. Traced once per callable (a model's bound `init_params`
-  is the same key on every call): the entry points ask for the same shapes and
-  axes several times while they set up (`EncoderDecoderModel.param_axes`,
-  `partitioning.Partitioner.abstract_params`), and each trace of a network costs a
-  fraction of a second of Python.
-
-  Args:
-    init_params: rng -> boxed parameter tree (`nn.LogicallyPartitioned` leaves).
-
-  Returns:
-    The tree `init_params` returns, with `jax.ShapeDtypeStruct` values.
-  """
-  return jax.eval_shape(init_params, jax.ShapeDtypeStruct((2,), jnp.uint32))
-
-
 def _zero_after_eos(tokens: jax.Array, eos_id: int) -> jax.Array:
   """Zeroes every position after the first EOS of each sequence ([..., length])."""
   eos_seen = jnp.cumsum(tokens == eos_id, axis=-1)  # [..., length]
@@ -537,7 +508,7 @@ def init_params(config: network.T5Config, rng: jax.Array) -> PyTree:
 @gin.configurable
 def build_model(
   config: network.T5Config | None = None, vocabulary: seqio.Vocabulary | None = None
-) -> EncoderDecoderModel:
+) -> BaseTransformerModel:
   """The model of `config.architecture` over its network and the configured vocabulary.
 
   'encoder_decoder': `EncoderDecoderModel` over `network.Transformer(config)` (or

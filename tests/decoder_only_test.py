@@ -32,7 +32,7 @@ def tiny_model(architecture: str, **overrides) -> models.DecoderOnlyModel:
   return models.DecoderOnlyModel(module, vocab, vocab)
 
 
-def params_of(model: models.EncoderDecoderModel, seed: int = 0):
+def params_of(model: models.BaseTransformerModel, seed: int = 0):
   return nn.meta.unbox(model.init_params(jax.random.PRNGKey(seed)))
 
 
@@ -65,7 +65,7 @@ def with_target_changed(batch, position: int) -> dict[str, np.ndarray]:
 
 
 def logits_of(model, params, batch) -> np.ndarray:
-  return np.asarray(models.teacher_forced_logits(model.module, params, batch, None))
+  return np.asarray(model.teacher_forced_logits(params, batch, None))
 
 
 @pytest.mark.parametrize("architecture", ARCHITECTURES)

@@ -52,14 +52,13 @@ def _batch(seed: int = 0, batch: int = 3, inputs: int = 7, targets: int = 5) -> 
 def _student(alpha: float, temperature: float, teacher_config: network.T5Config):
   kwargs = dict(z_loss=1e-4, label_smoothing=0.1, loss_normalizing_factor="NUM_REAL_TARGET_TOKENS")
   return distillation.DistillationModel(
-    network.Transformer(tiny_checkpoint_config()),
-    VOCAB,
-    VOCAB,
-    teacher_module=network.Transformer(teacher_config),
+    models.EncoderDecoderModel(
+      network.Transformer(tiny_checkpoint_config()), VOCAB, VOCAB, **kwargs
+    ),
+    models.EncoderDecoderModel(network.Transformer(teacher_config), VOCAB, VOCAB),
     teacher_checkpoint="unused",
     alpha=alpha,
     temperature=temperature,
-    **kwargs,
   ), models.EncoderDecoderModel(
     network.Transformer(tiny_checkpoint_config()), VOCAB, VOCAB, **kwargs
   )
@@ -92,10 +91,10 @@ def test_soft_target_kl_matches_a_hand_computation():
 def test_alpha_zero_is_the_plain_loss_and_gradients():
   teacher_config = tiny_checkpoint_config(emb_dim=48, num_encoder_layers=2)  # any size
   model, plain = _student(0.0, 2.0, teacher_config)
-  params, teacher = _params(model.module.config, 0), _params(teacher_config, 1)
+  params, teacher = _params(model.network_config, 0), _params(teacher_config, 1)
   batch = _batch()
   distilled = jax.jit(
-    lambda p, t: jax.value_and_grad(model.loss_fn, has_aux=True)(p, batch, None, teacher_params=t)
+    lambda p, t: jax.value_and_grad(model.loss_fn, has_aux=True)(p, batch, None, aux_state=t)
   )
   (loss, sums), grads = distilled(params, teacher)
   (plain_loss, plain_sums), plain_grads = jax.jit(
@@ -113,18 +112,18 @@ def test_alpha_zero_is_the_plain_loss_and_gradients():
 def test_objective_combines_both_terms_and_teacher_equal_to_student_gives_zero_kl():
   alpha, t = 0.3, 1.0
   model, plain = _student(alpha, t, tiny_checkpoint_config())
-  params = _params(model.module.config, 0)
+  params = _params(model.network_config, 0)
   batch = _batch(seed=1)
-  loss, sums = model.loss_fn(params, batch, None, teacher_params=params)
+  loss, sums = model.loss_fn(params, batch, None, aux_state=params)
   assert abs(float(sums["distill_kl"])) < 1e-6
   plain_loss, _ = plain.loss_fn(params, batch, None)
   np.testing.assert_allclose(loss, (1 - alpha) * plain_loss, rtol=1e-5)
   # With another teacher: loss = alpha T^2 KL + (1 - alpha) CE, KL normalised like CE.
   model, _ = _student(alpha, 3.0, tiny_checkpoint_config())
-  teacher = _params(model.module.config, 5)
-  loss, sums = model.loss_fn(params, batch, None, teacher_params=teacher)
-  student_logits = model._logits(params, batch, None)
-  teacher_logits = model._teacher_logits(teacher, batch)
+  teacher = _params(model.network_config, 5)
+  loss, sums = model.loss_fn(params, batch, None, aux_state=teacher)
+  student_logits = model.student.teacher_forced_logits(params, batch, None)
+  teacher_logits = model.teacher_logits(teacher, batch)
   weights = batch["decoder_loss_weights"]
   kl = np.sum(distillation.soft_target_kl(student_logits, teacher_logits, 3.0) * weights)
   kl /= weights.sum()  # NUM_REAL_TARGET_TOKENS
@@ -139,32 +138,30 @@ def test_objective_combines_both_terms_and_teacher_equal_to_student_gives_zero_k
 def test_gradients_reach_the_student_only_and_the_step_keeps_the_teacher():
   teacher_config = tiny_checkpoint_config(emb_dim=48)
   model, _ = _student(0.7, 2.0, teacher_config)
-  params, teacher = _params(model.module.config, 0), _params(teacher_config, 1)
+  params, teacher = _params(model.network_config, 0), _params(teacher_config, 1)
   batch = _batch(seed=2, batch=8)  # divisible by the 4-way data axis below
-  teacher_grads = jax.jit(
-    jax.grad(lambda tp: model.loss_fn(params, batch, None, teacher_params=tp)[0])
-  )(teacher)
+  teacher_grads = jax.jit(jax.grad(lambda tp: model.loss_fn(params, batch, None, aux_state=tp)[0]))(
+    teacher
+  )
   assert all(not np.any(g) for g in jax.tree.leaves(teacher_grads))
 
   partitioner = partitioning.Partitioner(num_partitions=2)
   optimizer = optimizers.adafactor(learning_rate=0.01)
   state, shardings = trainer.init_train_state(model, optimizer, jax.random.PRNGKey(0), partitioner)
-  assert state.teacher_params is None
+  assert state.aux_state is None
   abstract, _ = trainer.abstract_train_state(model, optimizer, partitioner)
-  teacher = jax.tree.map(
-    lambda x, a: jax.device_put(x, a.sharding), teacher, abstract.teacher_params
-  )
+  teacher = jax.tree.map(lambda x, a: jax.device_put(x, a.sharding), teacher, abstract.aux_state)
   kernel = teacher["decoder"]["logits_dense"]["kernel"]  # [embed, vocab]: vocab over 'model'
-  assert kernel.sharding.spec == shardings.teacher_params["decoder"]["logits_dense"]["kernel"].spec
+  assert kernel.sharding.spec == shardings.aux_state["decoder"]["logits_dense"]["kernel"].spec
   before = jax.device_get(teacher)
-  state = state.replace(teacher_params=teacher)
+  state = state.replace(aux_state=teacher)
   step = trainer.make_train_step(model, optimizer, partitioner, shardings)
   new_state, metrics = step(state, {k: v for k, v in batch.items()}, jax.random.PRNGKey(1))
-  jax.tree.map(np.testing.assert_array_equal, jax.device_get(new_state.teacher_params), before)
+  jax.tree.map(np.testing.assert_array_equal, jax.device_get(new_state.aux_state), before)
   assert float(metrics["distill_kl"]) > 0
   assert not np.array_equal(
     jax.device_get(new_state.params["decoder"]["logits_dense"]["kernel"]),
-    jax.device_get(_params(model.module.config, 0)["decoder"]["logits_dense"]["kernel"]),
+    jax.device_get(_params(model.network_config, 0)["decoder"]["logits_dense"]["kernel"]),
   )
 
 
@@ -207,7 +204,7 @@ def test_student_trains_and_resumes_against_a_saved_teacher_of_another_size(tmp_
     config=tiny_checkpoint_config(),
     vocabulary=VOCAB,
   )
-  assert student.teacher_module.config == teacher_config
+  assert student.teacher.network_config == teacher_config
   state = _train(tmp_path / "student", 2, student)
   with open(os.path.join(tmp_path / "student", "metrics.jsonl")) as f:
     records = [r for r in map(json.loads, f) if r["split"] == "train"]
@@ -223,9 +220,7 @@ def test_student_trains_and_resumes_against_a_saved_teacher_of_another_size(tmp_
     tmp_path / "teacher",
     jax.eval_shape(lambda: _params(teacher_config, 0)),
   )
-  jax.tree.map(
-    np.testing.assert_array_equal, jax.device_get(resumed.teacher_params), expected_teacher
-  )
+  jax.tree.map(np.testing.assert_array_equal, jax.device_get(resumed.aux_state), expected_teacher)
 
 
 def test_bad_teacher_or_settings_are_one_line_errors(tmp_path):

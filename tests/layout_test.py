@@ -18,8 +18,9 @@ LAYERS: list[tuple[str, list[str]]] = [
   ("data", ["data"]),  # sources, vocabulary, objectives, mixing, the pipeline
   # distillation.py restores its teacher through checkpoint.checkpoints.
   ("checkpoint", ["checkpoint"]),
-  ("model", ["models", "distillation"]),  # the model contract and its members
-  ("training", ["training"]),  # partitioning imports models
+  # The contract (base_model) and its members; the trainer and the loop call the contract.
+  ("model", ["base_model", "models", "distillation"]),
+  ("training", ["training"]),
   # interop.t5x converts Adafactor state through training.factored_moments.
   ("interop", ["interop"]),
   # run.train_lib evaluates during training through run.eval_lib.

@@ -72,7 +72,7 @@ def model_and_params():
 
 @functools.partial(jax.jit, static_argnums=0)
 def _jit_logits(model, params, batch):
-  return model._logits(params, batch, None)
+  return model.teacher_forced_logits(params, batch, None)
 
 
 def _teacher_forced_logits(model, params, batch) -> np.ndarray:

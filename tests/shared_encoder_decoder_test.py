@@ -72,10 +72,10 @@ def test_logits_equal_the_plain_transformer_with_the_shared_weights_copied(scan_
   model = shared_model(scan_layers=scan_layers)
   params, batch = params_of(model), enc_dec_batch()
   plain = network.Transformer(tiny_config(scan_layers=scan_layers))
-  ours = models.teacher_forced_logits(model.module, params, batch, None)
-  reference = models.teacher_forced_logits(
-    plain, shared_encoder_decoder.expand(params), batch, None
-  )
+  ours = model.teacher_forced_logits(params, batch, None)
+  reference = models.EncoderDecoderModel(
+    plain, model.input_vocabulary, model.output_vocabulary
+  ).teacher_forced_logits(shared_encoder_decoder.expand(params), batch, None)
   np.testing.assert_array_equal(np.asarray(ours), np.asarray(reference))
 
 

@@ -13,6 +13,7 @@ projections' matmuls and RMSNorm here, attention and the caches' layout in
 `t5x_lite.nn.attention`, as flaxformer's `attention_fn` and flax's `dot_general` fields do.
 """
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import cast
 
@@ -21,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from t5x_lite.core.types import Array, DType, Initializer, Shape
+from t5x_lite.core.types import Array, DType, Initializer, PyTree, Shape
 from t5x_lite.kernels import reference
 from t5x_lite.kernels.base import Kernels
 
@@ -60,6 +61,25 @@ def partitioned_param(
   partitioning's), returned unboxed."""
   boxed = module.param(name, nn.with_logical_partitioning(init, axes), shape, dtype)
   return cast(Array, boxed)  # `param` unboxes the nn.LogicallyPartitioned it creates
+
+
+@functools.lru_cache(maxsize=8)
+def abstract_boxed_params(init_params: Callable[[Array], PyTree]) -> PyTree:
+  """`init_params` traced with an abstract PRNG key: the boxed params as shapes.
+
+  Nothing is allocated. Traced once per callable (a model's bound `init_params` is the
+  same key on every call): the entry points ask for the same shapes and axes several
+  times while they set up (`BaseModel.param_axes`, `Partitioner.abstract_params`), and
+  each trace of a network costs a fraction of a second of Python.
+
+  Args:
+    init_params: rng -> boxed tree (`nn.LogicallyPartitioned` leaves, made by
+      `partitioned_param`), e.g. a model's `init_params` or `init_aux_state`.
+
+  Returns:
+    The tree `init_params` returns, with `jax.ShapeDtypeStruct` values.
+  """
+  return jax.eval_shape(init_params, jax.ShapeDtypeStruct((2,), jnp.uint32))
 
 
 class Projection(nn.Module):

@@ -47,7 +47,7 @@ from absl import logging
 from etils import epath
 from jax.experimental import multihost_utils
 
-from t5x_lite import models
+from t5x_lite import base_model, models
 from t5x_lite.data import pipeline
 from t5x_lite.checkpoint import checkpoints, stored_vocabulary
 from t5x_lite.training import partitioning
@@ -149,7 +149,7 @@ def _build_evaluator(
   partitioner = partitioning.Partitioner()
   abstract, shardings = partitioner.abstract_params(model.init_params)
   runner = model_runner.ModelRunner(model, partitioner, shardings, decode, dataset_cfg.batch_size)
-  dataset_cfg = pipeline.for_model(dataset_cfg, model.module.config)
+  dataset_cfg = pipeline.for_model(dataset_cfg, model.network_config)
   loggers = (seqio.TensorBoardLogger, PredictionsJsonlLogger) if jax.process_index() == 0 else ()
   evaluator = TaskEvaluator(
     runner, dataset_cfg, num_examples=num_examples, log_dir=output_dir, logger_cls=loggers
@@ -346,7 +346,7 @@ def evaluate_checkpoints(
   ]
 )
 def training_evaluator(
-  model: models.EncoderDecoderModel,
+  model: base_model.BaseModel,
   partitioner: partitioning.Partitioner,
   param_shardings: PyTree,
   eval_dataset_cfg: pipeline.DatasetConfig | None,
@@ -383,7 +383,7 @@ def training_evaluator(
       "train.infer_eval_period needs train.eval_dataset_cfg or training_evaluator.dataset_cfg."
     )
   cfg = dataset_cfg or dataclasses.replace(eval_dataset_cfg, shuffle=False, pack=False)
-  cfg = pipeline.for_model(cfg, model.module.config)
+  cfg = pipeline.for_model(cfg, model.network_config)
   runner = model_runner.ModelRunner(
     model, partitioner, param_shardings, decode or model_runner.DecodeConfig(), cfg.batch_size
   )

@@ -44,7 +44,7 @@ import seqio
 import tqdm
 from absl import logging
 
-from t5x_lite import models
+from t5x_lite import base_model, models
 from t5x_lite.data import file_sources, pipeline
 from t5x_lite.checkpoint import checkpoints, stored_vocabulary
 from t5x_lite.training import partitioning
@@ -113,7 +113,7 @@ def encode_text(vocabulary: seqio.Vocabulary, text: str, length: int) -> np.ndar
 
 
 def file_examples(
-  path: str, model: models.EncoderDecoderModel, lengths: Mapping[str, int]
+  path: str, model: base_model.BaseModel, lengths: Mapping[str, int]
 ) -> list[Example]:
   """Tokenized examples of an input file (see `read_input_file`)."""
   inputs, targets = read_input_file(path)
@@ -408,7 +408,7 @@ def infer(
 
 
 def _run(
-  model: models.EncoderDecoderModel,
+  model: base_model.BaseModel,
   step_dir: Any,
   examples: Sequence[Example],
   output: ResumableJsonl,
@@ -438,7 +438,7 @@ def _run(
         runner,
         params,
         chunk,
-        make_batch(chunk, lengths, model.module.config.architecture),
+        make_batch(chunk, lengths, model.network_config.architecture),
         mode,
         model.output_vocabulary,
       )

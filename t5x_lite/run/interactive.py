@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 import seqio
 
-from t5x_lite import models
+from t5x_lite import base_model, models
 from t5x_lite.checkpoint import checkpoints, stored_vocabulary
 from t5x_lite.core.types import PyTree
 from t5x_lite.data import pipeline, vocab
@@ -62,7 +62,7 @@ class InteractiveModel:
   """A model with its parameters, ready to predict, score, evaluate and train.
 
   Attributes:
-    model: the `models.EncoderDecoderModel` (or `DecoderOnlyModel`).
+    model: the model (`models.EncoderDecoderModel` or `DecoderOnlyModel`).
     params: the current parameters (sharded by the partitioner).
     vocabulary: inputs' and targets' vocabulary.
     step: the checkpoint's step, plus the `train_step`s taken since.
@@ -73,7 +73,7 @@ class InteractiveModel:
 
   def __init__(
     self,
-    model: models.EncoderDecoderModel,
+    model: base_model.BaseModel,
     params: PyTree,
     param_shardings: PyTree,
     partitioner: partitioning.Partitioner,
@@ -108,6 +108,7 @@ class InteractiveModel:
     self._evaluators: dict[tuple[Any, ...], TaskEvaluator] = {}
     self._train: tuple[Any, trainer.TrainState] | None = None  # (jitted step, shardings)
     self._opt_state: Any = None
+    self._aux_state: Any = None  # the model's auxiliary state (`BaseModel.start_aux_state`)
 
   @classmethod
   def load(
@@ -200,13 +201,13 @@ class InteractiveModel:
     Decoder-only models keep `lengths` (their width is the decoding length).
     """
     lengths = dict(self.lengths)
-    if self.model.module.config.architecture == "encoder_decoder":
+    if self.model.network_config.architecture == "encoder_decoder":
       longest = max(len(ex.input_ids) for ex in examples)
       lengths["inputs"] = model_runner.bucket(longest, self.lengths["inputs"])
     if cut_targets:
       longest = max(len(ex.target_ids) for ex in examples)
       lengths["targets"] = model_runner.bucket(longest, self.lengths["targets"])
-    batch = infer_lib.make_batch(examples, lengths, self.model.module.config.architecture)
+    batch = infer_lib.make_batch(examples, lengths, self.model.network_config.architecture)
     rows = model_runner.row_bucket(
       len(examples), self.partitioner.data_size, cap or self.batch_size
     )
@@ -293,7 +294,7 @@ class InteractiveModel:
           shuffle=False,
           seed=0,
           pack=False,
-          architecture=self.model.module.config.architecture,
+          architecture=self.model.network_config.architecture,
         )
         self._evaluators[key, options] = TaskEvaluator(
           self._runner(options), cfg, num_examples=num_examples
@@ -325,7 +326,7 @@ class InteractiveModel:
       for k, v in model_runner.pad_rows(batch, rows).items()
     }
     state, metrics = step_fn(state, placed, self._rng)
-    self.params, self._opt_state = state.params, state.opt_state
+    self.params, self._opt_state, self._aux_state = state.params, state.opt_state, state.aux_state
     self.step += 1
     return {k: float(v) for k, v in jax.device_get(metrics).items()}
 
@@ -333,7 +334,8 @@ class InteractiveModel:
     """(the jitted train step, the state to update), built at the first call."""
     if self._train is None:
       optimizer = self._optimizer or optimizers.adafactor(learning_rate=optimizers.constant(1e-3))
-      _, shardings = trainer.abstract_train_state(self.model, optimizer, self.partitioner)
+      abstract, shardings = trainer.abstract_train_state(self.model, optimizer, self.partitioner)
+      self._aux_state = self.model.start_aux_state(abstract.aux_state, self.params)
       init = self.partitioner.jit(
         optimizer.with_param_axes(self.model.param_axes()).init,
         in_shardings=(shardings.params,),
@@ -344,11 +346,13 @@ class InteractiveModel:
       self._train = (step_fn, shardings)
     step_fn, shardings = self._train
     count = jax.device_put(jnp.asarray(self.step, jnp.int32), shardings.step)
-    state = trainer.TrainState(step=count, params=self.params, opt_state=self._opt_state)
+    state = trainer.TrainState(
+      step=count, params=self.params, opt_state=self._opt_state, aux_state=self._aux_state
+    )
     return step_fn, state
 
   def __repr__(self) -> str:
-    config = self.model.module.config
+    config = self.model.network_config
     return (
       f"InteractiveModel({config.architecture}, step {self.step}, "
       f"vocab_size {config.vocab_size}, lengths {self.lengths}, "

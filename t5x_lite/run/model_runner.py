@@ -22,7 +22,7 @@ import gin
 import jax
 import numpy as np
 
-from t5x_lite import models
+from t5x_lite import base_model
 from t5x_lite.training import partitioning
 from t5x_lite.core.errors import ConfigError
 from t5x_lite.core.types import PyTree
@@ -74,7 +74,7 @@ class DecodeConfig:
       raise ConfigError(f"DecodeConfig.num_decodes must be >= 1, got {self.num_decodes}.")
 
   def predict_kwargs(self) -> dict[str, Any]:
-    """Keyword arguments of `EncoderDecoderModel.predict_batch_with_aux`."""
+    """Keyword arguments of `BaseModel.predict_batch_with_aux`."""
     params: dict[str, Any] = {"min_decode_len": self.min_decode_len}
     if self.max_decode_len:
       params["max_decode_len"] = self.max_decode_len
@@ -120,7 +120,7 @@ class ModelRunner:
 
   def __init__(
     self,
-    model: models.EncoderDecoderModel,
+    model: base_model.BaseModel,
     partitioner: partitioning.Partitioner,
     param_shardings: PyTree,
     decode: DecodeConfig,

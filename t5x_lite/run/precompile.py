@@ -35,9 +35,8 @@ import gin
 import jax
 import jax.numpy as jnp
 
-from t5x_lite import models
+from t5x_lite import base_model, models
 from t5x_lite.kernels import registry
-from t5x_lite.nn import flops
 from t5x_lite.data import pipeline
 from t5x_lite.training import optimizers, partitioning, throughput, trainer
 from t5x_lite.run import train_lib
@@ -364,8 +363,9 @@ def advice(report: PrecompileReport) -> str:
     "  - rematerialisation: --gin.T5Config.remat_policy=minimal (or full) recomputes "
     "activations in the backward pass; bfloat16 activations "
     "(--gin.T5Config.dtype=bfloat16) halve them;\n"
-    "  - a chunked loss: --gin.EncoderDecoderModel.loss_chunk_length=N computes the "
-    "logits N target positions at a time, never the whole float32 [batch, length, vocab];\n"
+    "  - a chunked loss: --gin.EncoderDecoderModel.loss_chunk_length=N (a decoder-only "
+    "model's: DecoderOnlyModel.loss_chunk_length) computes the logits N target positions "
+    "at a time, never the whole float32 [batch, length, vocab];\n"
     "  - microbatches: --gin.train.num_microbatches=K accumulates gradients over K "
     "slices of the batch (the per-chip batch must divide by K);\n"
     "  - or a bigger slice (more chips) / a generation with more HBM."
@@ -373,7 +373,7 @@ def advice(report: PrecompileReport) -> str:
 
 
 def lower_train_step(
-  model: models.EncoderDecoderModel,
+  model: base_model.BaseModel,
   optimizer: optimizers.Optimizer,
   input_shapes: Mapping[str, tuple[int, ...]],
   partitioner: partitioning.Partitioner,
@@ -415,7 +415,7 @@ def _xla_costs(compiled: jax.stages.Compiled) -> tuple[float | None, float | Non
 
 
 def precompile_train_step(
-  model: models.EncoderDecoderModel,
+  model: base_model.BaseModel,
   optimizer: optimizers.Optimizer,
   dataset_cfg: pipeline.DatasetConfig,
   topology: str,
@@ -444,15 +444,11 @@ def precompile_train_step(
   gen, _ = parse_topology(topology)
   devices = topology_devices(topology)
   partitioner = slice_partitioner(devices, topology, num_partitions, fsdp)
-  dataset_cfg = pipeline.for_model(dataset_cfg, model.module.config)
+  dataset_cfg = pipeline.for_model(dataset_cfg, model.network_config)
   lengths = pipeline.model_feature_lengths(dataset_cfg)
   # A decoder-only model's inputs are inside its decoder_target_tokens.
   inputs, targets = lengths.get("encoder_input_tokens", 0), lengths["decoder_target_tokens"]
-  model_flops = (
-    flops.flops_per_token(model.module.config, inputs, targets)
-    * dataset_cfg.batch_size
-    * (inputs + targets)
-  )
+  model_flops = model.train_flops_per_step(dataset_cfg.batch_size, inputs, targets)
   with registry.compiling_for("tpu"):  # T5Config.kernels 'auto': the TPU's kernels
     lowered = lower_train_step(
       model, optimizer, pipeline.model_input_shapes(dataset_cfg), partitioner, num_microbatches
@@ -477,7 +473,7 @@ def precompile_train_step(
     xla_flops_per_chip=xla_flops,
     xla_bytes_per_chip=xla_bytes,
     model_flops_per_step=model_flops,
-    loops_counted_once=model.module.config.scan_layers or num_microbatches > 1,
+    loops_counted_once=model.network_config.scan_layers or num_microbatches > 1,
   )
 
 

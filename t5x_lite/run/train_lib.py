@@ -45,8 +45,8 @@ import jax.numpy as jnp
 import numpy as np
 from absl import logging
 
-from t5x_lite import distillation, models
-from t5x_lite.nn import flops, network
+from t5x_lite import base_model, models
+from t5x_lite.nn import network
 from t5x_lite.data import pipeline
 from t5x_lite.checkpoint import checkpoints, partial_restore, train_checkpointer
 from t5x_lite.training import (
@@ -127,7 +127,7 @@ class _Setup:
 
 
 def _setup_state(
-  model: models.EncoderDecoderModel,
+  model: base_model.BaseModel,
   optimizer: optimizers.Optimizer,
   ckpt: train_checkpointer.TrainCheckpointer,
   train_iter: pipeline.TrainIterator,
@@ -187,10 +187,10 @@ def _setup_state(
         state = state.replace(step=step, opt_state=start.opt_state)
     elif restore_config is not None:
       logging.warning("train.restore_config is ignored: train.initial_checkpoint_path is not set")
-  if isinstance(model, distillation.DistillationModel):  # restored anew on every start
-    state = state.replace(teacher_params=model.restore_teacher(abstract.teacher_params))
+  # Never checkpointed: the model makes it anew at every start (a teacher restores it).
+  state = state.replace(aux_state=model.start_aux_state(abstract.aux_state, state.params))
   restored_step = None if restored is None else restored.step
-  return _Setup(state, shardings, rng, model.module.config, partitioner, elapsed_s, restored_step)
+  return _Setup(state, shardings, rng, model.network_config, partitioner, elapsed_s, restored_step)
 
 
 def _fetch_and_check(
@@ -256,19 +256,12 @@ def write_operative_config(model_dir: str) -> None:
       f.write(gin.operative_config_str())
 
 
-def _teacher_forward_flops(model: models.EncoderDecoderModel, inputs: int, targets: int) -> float:
-  """A distillation teacher's forward FLOPs per example (0 without a teacher)."""
-  if not isinstance(model, distillation.DistillationModel):
-    return 0.0
-  return flops.forward_flops(model.teacher_module.config, inputs, targets)
-
-
 class _Loop:
   """Runs steps and decides when to log, check, save and evaluate."""
 
   def __init__(
     self,
-    model: models.EncoderDecoderModel,
+    model: base_model.BaseModel,
     optimizer: optimizers.Optimizer,
     setup: _Setup,
     ckpt: train_checkpointer.TrainCheckpointer,
@@ -290,13 +283,12 @@ class _Loop:
     # A decoder-only model's inputs are inside its decoder_target_tokens.
     inputs, targets = lengths.get("encoder_input_tokens", 0), lengths["decoder_target_tokens"]
     tokens = dataset_cfg.batch_size * (inputs + targets)
-    peak, source = throughput.device_peak_flops(dtype=model.module.config.dtype)
+    peak, source = throughput.device_peak_flops(dtype=model.network_config.dtype)
     logging.info("Peak FLOP/s per device for MFU: %.3g (%s)", peak, source)
     self.throughput = throughput.Throughput(
       rows_per_step=dataset_cfg.batch_size,
       tokens_per_step=tokens,
-      flops_per_step=flops.flops_per_token(setup.model_config, inputs, targets) * tokens
-      + _teacher_forward_flops(model, inputs, targets) * dataset_cfg.batch_size,
+      flops_per_step=model.train_flops_per_step(dataset_cfg.batch_size, inputs, targets),
       num_devices=setup.partitioner.mesh.devices.size,
       peak_flops_per_device=peak,
     )
@@ -467,7 +459,7 @@ def train(
   total_steps: int = gin.REQUIRED,
   train_dataset_cfg: pipeline.DatasetConfig = gin.REQUIRED,
   optimizer: optimizers.Optimizer = gin.REQUIRED,
-  model: models.EncoderDecoderModel | None = None,
+  model: base_model.BaseModel | None = None,
   eval_dataset_cfg: pipeline.DatasetConfig | None = None,
   eval_period: int = 0,
   eval_steps: int = 10,
@@ -541,9 +533,9 @@ def train(
       "metrics) or train.eval_period (loss)."
     )
   model = model or models.build_model()
-  train_dataset_cfg = pipeline.for_model(train_dataset_cfg, model.module.config)
+  train_dataset_cfg = pipeline.for_model(train_dataset_cfg, model.network_config)
   if eval_dataset_cfg is not None:
-    eval_dataset_cfg = pipeline.for_model(eval_dataset_cfg, model.module.config)
+    eval_dataset_cfg = pipeline.for_model(eval_dataset_cfg, model.network_config)
   partitioner = partitioner or partitioning.Partitioner()
   train_checks.check_batch_size(train_dataset_cfg, partitioner)
   primary = jax.process_index() == 0  # process 0 writes the logs

@@ -39,8 +39,8 @@ from flax.core import meta
 from jax.experimental import mesh_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from t5x_lite import models
 from t5x_lite.core.errors import ConfigError
+from t5x_lite.nn import layers
 
 LogicalRules = tuple[tuple[str, str | None], ...]
 MESH_AXES = ('data', 'model')
@@ -220,15 +220,16 @@ class Partitioner:
     """Shapes and shardings of parameters, nothing allocated and no PRNG key made.
 
     Args:
-      init_params: rng -> boxed parameter tree (e.g. `EncoderDecoderModel.init_params`);
-        traced with an abstract key only, so it works on compile-only devices.
+      init_params: rng -> boxed parameter tree (e.g. a model's `init_params` or
+        `init_aux_state`, `t5x_lite.base_model.BaseModel`); traced with an abstract key
+        only, so it works on compile-only devices.
 
     Returns:
       (plain tree of `jax.ShapeDtypeStruct` carrying their shardings: a restore target
       for checkpoints; the tree of NamedSharding).
     """
     with self.context():
-      boxed = models.abstract_boxed_params(init_params)
+      boxed = layers.abstract_boxed_params(init_params)
     shardings = self.logical_shardings(boxed)
     abstract = jax.tree.map(
       lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),

@@ -14,6 +14,11 @@ Gradient accumulation: the batch's loss normalizing factor and weights are compu
 once on the full batch; each of `num_microbatches` slices is then differentiated with
 those, and gradients and metric sums are added in a `lax.scan`. The accumulated update
 therefore equals the full-batch update for every normalizing mode.
+
+The steps call the model only through its contract (`t5x_lite.base_model.BaseModel`): a
+model's auxiliary state (a distillation teacher's params, say) rides in
+`TrainState.aux_state`, is passed to its `loss_fn` and replaced by its `update_aux_state`
+after the optimizer.
 """
 
 from typing import Mapping
@@ -25,7 +30,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from t5x_lite import distillation, models
+from t5x_lite.base_model import BaseModel
 from t5x_lite.training import optimizers, partitioning
 from t5x_lite.core.types import PyTree
 
@@ -39,14 +44,15 @@ class TrainState(flax.struct.PyTreeNode):
     step: int32 scalar, number of updates applied so far.
     params: plain (unboxed) parameter tree.
     opt_state: the optax state for `params`.
-    teacher_params: a `distillation.DistillationModel`'s frozen teacher params (the
-      step reads them and returns them unchanged; never checkpointed); else None.
+    aux_state: the model's auxiliary state (`BaseModel.init_aux_state`; None for most
+      models): not trained, never checkpointed; the training loop makes it with
+      `BaseModel.start_aux_state` before the first step.
   """
 
   step: jax.Array
   params: PyTree
   opt_state: optax.OptState
-  teacher_params: PyTree = None
+  aux_state: PyTree = None
 
 
 def opt_state_shardings(
@@ -92,7 +98,7 @@ def opt_state_shardings(
 
 
 def abstract_train_state(
-  model: models.EncoderDecoderModel,
+  model: BaseModel,
   optimizer: optimizers.Optimizer,
   partitioner: partitioning.Partitioner,
 ) -> tuple[TrainState, TrainState]:
@@ -108,25 +114,23 @@ def abstract_train_state(
     carry their sharding (a restore target for checkpoints; inputs to lower the step
     for compile-only devices), and the TrainState-shaped tree of NamedSharding
     (params by logical axes, optimizer statistics like their params, step replicated;
-    a distillation teacher's params by their logical axes).
+    the model's auxiliary state by its logical axes).
   """
   params, param_shardings = partitioner.abstract_params(model.init_params)
   optimizer = optimizer.with_param_axes(model.param_axes())
   opt_state = jax.eval_shape(optimizer.init, params)
-  teacher, teacher_shardings = None, None
-  if isinstance(model, distillation.DistillationModel):
-    teacher, teacher_shardings = partitioner.abstract_params(model.init_teacher_params)
+  aux_state, aux_shardings = partitioner.abstract_params(model.init_aux_state)
   shardings = TrainState(
     step=partitioner.replicated,
     params=param_shardings,
     opt_state=opt_state_shardings(opt_state, params, param_shardings, partitioner.mesh),
-    teacher_params=teacher_shardings,
+    aux_state=aux_shardings,
   )
   shapes = TrainState(
     step=jax.ShapeDtypeStruct((), jnp.int32),
     params=params,
     opt_state=opt_state,
-    teacher_params=teacher,
+    aux_state=aux_state,
   )
   abstract = jax.tree.map(
     lambda x, sharding: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
@@ -137,7 +141,7 @@ def abstract_train_state(
 
 
 def init_train_state(
-  model: models.EncoderDecoderModel,
+  model: BaseModel,
   optimizer: optimizers.Optimizer,
   rng: jax.Array,
   partitioner: partitioning.Partitioner,
@@ -152,9 +156,9 @@ def init_train_state(
 
   Returns:
     (state, state_shardings): a sharded step-0 TrainState, and the TrainState-shaped
-    tree of NamedSharding used for it (pass it to `make_train_step`). A distillation
-    teacher's params are not made here: set `teacher_params` to
-    `model.restore_teacher(...)` (`train_lib` does) before the first step.
+    tree of NamedSharding used for it (pass it to `make_train_step`). The model's
+    auxiliary state is not made here: set `aux_state` to `model.start_aux_state(...)`
+    (`train_lib` does) before the first step.
   """
   _, state_shardings = abstract_train_state(model, optimizer, partitioner)
   optimizer = optimizer.with_param_axes(model.param_axes())
@@ -168,7 +172,7 @@ def init_train_state(
   init = partitioner.jit(
     init_fn,
     in_shardings=partitioner.replicated,
-    out_shardings=state_shardings.replace(teacher_params=None),
+    out_shardings=state_shardings.replace(aux_state=None),
   )
   return init(rng), state_shardings
 
@@ -194,14 +198,14 @@ def _split_microbatches(batch: Batch, num_microbatches: int, mesh: Mesh) -> Batc
 
 
 def accumulate_gradients(
-  model: models.EncoderDecoderModel,
+  model: BaseModel,
   params: PyTree,
   batch: Batch,
   rng: jax.Array,
   num_microbatches: int,
   mesh: Mesh,
   param_shardings: PyTree,
-  teacher_params: PyTree | None = None,
+  aux_state: PyTree = None,
 ) -> tuple[PyTree, dict[str, jax.Array]]:
   """Gradients and metric sums of the full batch, over `num_microbatches` slices.
 
@@ -213,8 +217,8 @@ def accumulate_gradients(
     num_microbatches: number of sequential slices (1: no accumulation).
     mesh: the device mesh.
     param_shardings: NamedSharding per parameter (gradients are kept in it).
-    teacher_params: a distillation teacher's params, passed to `model.loss_fn` (which
-      is differentiated with respect to `params` only); None without a teacher.
+    aux_state: the model's auxiliary state, passed to `model.loss_fn` (which is
+      differentiated with respect to `params` only).
 
   Returns:
     (grads, metric sums), both summed over microbatches.
@@ -222,11 +226,10 @@ def accumulate_gradients(
   factor, weights = model.loss_normalization(batch)
   batch = dict(batch, decoder_loss_weights=weights)
   grad_fn = jax.grad(model.loss_fn, has_aux=True)
-  teacher = {} if teacher_params is None else {"teacher_params": teacher_params}
 
   def micro_grads(mb: Batch, key: jax.Array) -> tuple[PyTree, dict[str, jax.Array]]:
     normalization = (factor, mb["decoder_loss_weights"])
-    grads, sums = grad_fn(params, mb, key, normalization=normalization, **teacher)
+    grads, sums = grad_fn(params, mb, key, normalization=normalization, aux_state=aux_state)
     return jax.lax.with_sharding_constraint(grads, param_shardings), sums
 
   if num_microbatches == 1:
@@ -248,7 +251,7 @@ def accumulate_gradients(
 
 
 def train_step(
-  model: models.EncoderDecoderModel,
+  model: BaseModel,
   optimizer: optimizers.Optimizer,
   state: TrainState,
   batch: Batch,
@@ -264,15 +267,15 @@ def train_step(
     model: the model.
     optimizer: an `optimizers.Optimizer`.
     state: the current TrainState.
-    batch: global batch of EncDecFeatureConverter features.
+    batch: global batch of the model's features.
     rng: base PRNG key; the step's dropout key is fold_in(rng, state.step).
     num_microbatches: gradient-accumulation slices.
     mesh: the device mesh.
     param_shardings: NamedSharding per parameter.
 
   Returns:
-    (new state, metrics): `models.EncoderDecoderModel.finalize_metrics` names plus
-    learning_rate (applied at this step) and grad_norm (global, before clipping).
+    (new state, metrics): `model.finalize_metrics` names plus learning_rate (applied
+    at this step) and grad_norm (global, before clipping).
   """
   step_rng = jax.random.fold_in(rng, state.step)
   grads, sums = accumulate_gradients(
@@ -283,19 +286,21 @@ def train_step(
     num_microbatches,
     mesh,
     param_shardings,
-    teacher_params=state.teacher_params,
+    aux_state=state.aux_state,
   )
   updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
   params = optax.apply_updates(state.params, updates)
   metrics = model.finalize_metrics(sums)
   metrics["learning_rate"] = optimizer.learning_rate(state.step)
   metrics["grad_norm"] = optax.global_norm(grads)
-  new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
+  step = state.step + 1
+  aux_state = model.update_aux_state(state.aux_state, params, step)
+  new_state = state.replace(step=step, params=params, opt_state=opt_state, aux_state=aux_state)
   return new_state, metrics
 
 
 def make_train_step(
-  model: models.EncoderDecoderModel,
+  model: BaseModel,
   optimizer: optimizers.Optimizer,
   partitioner: partitioning.Partitioner,
   state_shardings: TrainState,
@@ -338,9 +343,7 @@ def make_train_step(
   )
 
 
-def eval_step(
-  model: models.EncoderDecoderModel, params: PyTree, batch: Batch
-) -> dict[str, jax.Array]:
+def eval_step(model: BaseModel, params: PyTree, batch: Batch) -> dict[str, jax.Array]:
   """Teacher-forced loss and metrics without dropout (pure; `make_eval_step` jits it).
 
   The metrics are the training objective's (`finalize_metrics`: loss with z-loss and
@@ -350,7 +353,7 @@ def eval_step(
 
 
 def make_eval_step(
-  model: models.EncoderDecoderModel,
+  model: BaseModel,
   partitioner: partitioning.Partitioner,
   param_shardings: PyTree,
 ) -> partitioning.PartitionedFunction:
