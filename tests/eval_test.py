@@ -238,6 +238,63 @@ def test_real_model_scores_match_score_batch_and_steps_are_skipped(tmp_path):
     )
 
 
+def test_batches_go_longest_input_first_each_cut_to_its_bucket():
+  tokens = np.zeros([5, 64], np.int32)  # rows of 5, 40, 17, 0 and 33 tokens
+  for row, length in enumerate([5, 40, 17, 0, 33]):
+    tokens[row, :length] = 7
+  order, widths = task_evaluator.by_input_length({"encoder_input_tokens": tokens}, 2)
+  assert order.tolist() == [1, 4, 2, 0, 3]
+  assert widths == [64, 32, 16]  # buckets of 40, 17 and 0 (at least 16, at most 64)
+  decoder_only = {"decoder_input_tokens": tokens}
+  order, widths = task_evaluator.by_input_length(decoder_only, 2)
+  assert order.tolist() == [0, 1, 2, 3, 4] and widths == [None, None, None]
+
+
+VARIED_TASK = "eval_test_varied_lengths"  # inputs of 3 to 60 bytes
+
+
+def _varied(split: str, shuffle_files: bool, seed: int | None = None) -> tf.data.Dataset:
+  del split, shuffle_files, seed
+  inputs = ["x" * (3 + (i * 37) % 58) for i in range(20)]
+  return tf.data.Dataset.from_tensor_slices({"inputs": inputs, "targets": ["ab"] * 20})
+
+
+if VARIED_TASK not in seqio.TaskRegistry.names():
+  seqio.TaskRegistry.add(
+    VARIED_TASK,
+    source=seqio.FunctionDataSource(_varied, splits=["validation"]),
+    preprocessors=_PREPROCESSORS,
+    output_features=_features(),
+    metric_fns=[task_metrics.accuracy, mean_score],
+  )
+
+
+def test_length_sorted_batches_predict_and_score_as_full_width_batches_in_order():
+  model = models.build_model(_tiny_config())
+  partitioner = partitioning.Partitioner()
+  _, shardings = partitioner.abstract_params(model.init_params)
+  params = jax.device_put(nn.meta.unbox(model.init_params(jax.random.PRNGKey(1))), shardings)
+  runner = model_runner.ModelRunner(model, partitioner, shardings, model_runner.DecodeConfig(), 8)
+  cfg = _dataset_cfg(VARIED_TASK, task_feature_lengths={"inputs": 64, "targets": 8})
+  evaluator = task_evaluator.TaskEvaluator(runner, cfg)
+  ds = evaluator.seqio.cached_model_datasets[VARIED_TASK]
+  widths = [b["encoder_input_tokens"].shape[1] for _, b in evaluator._batches(ds, "test")]
+  # 20 rows of 4 to 61 tokens (EOS included): 8 of 37-61, 8 of 15-36, 4 of 4-11.
+  assert widths == [64, 64, 16]
+
+  predicted = dict(evaluator._predict(params, ds))
+  scored = dict(evaluator._score(params, ds))
+  expected_tokens, expected_scores = {}, {}
+  for indices, batch in ds.batch(8).as_numpy_iterator():  # dataset order, full width
+    tokens, _ = runner.predict(params, batch)
+    expected_tokens.update(zip(indices.tolist(), tokens))
+    expected_scores.update(zip(indices.tolist(), runner.score(params, batch).tolist()))
+  assert sorted(predicted) == sorted(expected_tokens) == list(range(20))
+  for i in range(20):
+    np.testing.assert_array_equal(predicted[i], expected_tokens[i])
+    assert scored[i] == pytest.approx(expected_scores[i], rel=1e-5, abs=1e-5)
+
+
 def test_missing_checkpoint_path_is_named(tmp_path):
   with pytest.raises(CheckpointError, match=f"No checkpoint at {tmp_path}/nope: it does not exist"):
     _evaluate(tmp_path / "nope", tmp_path / "out")

@@ -36,6 +36,7 @@ from t5x_lite.core.types import PyTree
 
 Metrics = dict[str, dict[str, float]]
 INFERENCES_DIR = "inferences"
+_ENCODER_INPUTS = "encoder_input_tokens"
 # seqio.Evaluator's multi-line advice on the given lengths, said in one line of ours
 # (`TaskEvaluator._log_lengths`), and its note that it has no loggers (the Python API's
 # choice).
@@ -122,6 +123,45 @@ def _floats(results: Mapping[str, Any]) -> dict[str, float]:
     if isinstance(value, (int, float, np.number)):
       out[name] = float(value)
   return out
+
+
+def _materialised(ds: tf.data.Dataset) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+  """An enumerated dataset of model features as numpy: (indices [n], {name: [n, ...]})."""
+  indices, features = [], []
+  for index, example in ds.batch(1024).as_numpy_iterator():
+    indices.append(index)
+    features.append(example)
+  if not indices:
+    return np.zeros([0], np.int64), {}
+  names = features[0].keys()
+  return np.concatenate(indices), {k: np.concatenate([f[k] for f in features]) for k in names}
+
+
+def by_input_length(
+  features: Mapping[str, np.ndarray], batch_size: int
+) -> tuple[np.ndarray, list[int | None]]:
+  """An order of the examples, longest input first, and each batch's input width.
+
+  An encoder-decoder's `encoder_input_tokens` [n, length] are zero-padded on the right
+  to the longest of the split; a batch of the order needs only a `bucket` of its own
+  longest row, and the encoder and cross-attention cost follows the input length.
+  Decoder-only features (prompt and targets in one row) keep their width: None.
+
+  Returns:
+    (order [n] of row positions, one width per batch of `batch_size` rows in order).
+  """
+  rows = len(next(iter(features.values()), []))
+  starts = range(0, rows, batch_size)
+  if _ENCODER_INPUTS not in features:
+    return np.arange(rows), [None for _ in starts]
+  tokens = features[_ENCODER_INPUTS]  # [n, length]
+  nonzero = tokens != 0
+  # [n]: one past the last non-padding token (0 for an empty row).
+  lengths = np.where(nonzero.any(1), tokens.shape[1] - np.argmax(nonzero[:, ::-1], 1), 0)
+  order = np.argsort(-lengths, kind="stable")
+  cap = tokens.shape[1]
+  widths: list[int | None] = [model_runner.bucket(int(lengths[order[s]]), cap) for s in starts]
+  return order, widths
 
 
 class TaskEvaluator:
@@ -227,19 +267,32 @@ class TaskEvaluator:
       ds = ds.take(self.num_examples)
     return pipeline.feature_converter(self.cfg, pack=False)(ds, dict(lengths)).cache()
 
-  def _batches(self, ds: tf.data.Dataset, desc: str):
-    """(indices, numpy features) batches of an enumerated dataset, with a progress bar."""
-    total = int(ds.cardinality().numpy())
+  def _batches(
+    self, ds: tf.data.Dataset, desc: str
+  ) -> Iterator[tuple[np.ndarray, dict[str, np.ndarray]]]:
+    """(indices, numpy features) batches of an enumerated dataset, with a progress bar.
+
+    Examples go longest input first (`by_input_length`), so a batch holds inputs of
+    similar length, cut to a `model_runner.bucket` of its longest (a handful of shapes,
+    each compiled once). seqio puts the outputs back in the dataset's order by their
+    indices.
+    """
+    indices, features = _materialised(ds)
+    order, widths = by_input_length(features, self.runner.batch_size)
     with tqdm.tqdm(
-      total=total if total >= 0 else None,
+      total=len(indices),
       unit="ex",
       desc=desc,
       file=sys.stderr,
       disable=jax.process_index() != 0,
     ) as bar:
-      for indices, features in ds.batch(self.runner.batch_size).as_numpy_iterator():
-        yield indices, features
-        bar.update(len(indices))
+      for start, width in zip(range(0, len(order), self.runner.batch_size), widths):
+        rows = order[start : start + self.runner.batch_size]
+        batch = {k: v[rows] for k, v in features.items()}
+        if width is not None:
+          batch[_ENCODER_INPUTS] = batch[_ENCODER_INPUTS][:, :width]
+        yield indices[rows], batch
+        bar.update(len(rows))
 
   def _predict(self, params: PyTree, ds: tf.data.Dataset, with_aux: bool = False):
     """seqio predict_fn / predict_with_aux_fn."""
