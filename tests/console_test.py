@@ -30,13 +30,21 @@ def _python(code: str, **env: str) -> subprocess.CompletedProcess:
 
 
 def test_defaults_fill_only_what_the_user_left_unset():
-  assert console.default_environment({}, accelerator=False) == {
+  cache = {"T5X_LITE_CACHE": "/data/cache"}
+  assert console.default_environment(cache, accelerator=False) == {
     "TF_CPP_MIN_LOG_LEVEL": "2",
     "TF_ENABLED_DEVICE_TYPES": "CPU",
     "JAX_PLATFORMS": "cpu",
+    "JAX_COMPILATION_CACHE_DIR": "/data/cache/jax_compilation_cache",
   }
-  user = {"TF_CPP_MIN_LOG_LEVEL": "0", "JAX_PLATFORMS": ""}  # empty counts as set
+  # Empty counts as set: JAX_COMPILATION_CACHE_DIR= turns the cache off.
+  user = {"TF_CPP_MIN_LOG_LEVEL": "0", "JAX_PLATFORMS": "", "JAX_COMPILATION_CACHE_DIR": ""}
   assert console.default_environment(user, accelerator=False) == {"TF_ENABLED_DEVICE_TYPES": "CPU"}
+  assert "JAX_COMPILATION_CACHE_DIR" not in console.default_environment(
+    {}, accelerator=False, compilation_cache=False
+  )
+  home = os.path.expanduser(os.path.join("~", ".cache", "t5x_lite", "jax_compilation_cache"))
+  assert console.default_environment({}, accelerator=False)["JAX_COMPILATION_CACHE_DIR"] == home
 
 
 def test_jax_chooses_its_platform_where_an_accelerator_may_exist():

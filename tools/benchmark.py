@@ -58,7 +58,8 @@ Its MFU is over a matmul peak measured in its process the same way.
 from t5x_lite.core import console
 
 if __name__ == "__main__":  # first, before TensorFlow and JAX load (logged later)
-  console.quiet_startup(import_tensorflow=False)  # environment defaults; TensorFlow: below
+  # Environment defaults, no compilation cache (compile times are measured); TensorFlow: below.
+  console.quiet_startup(import_tensorflow=False, compilation_cache=False)
 
 import dataclasses
 import json

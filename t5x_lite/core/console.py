@@ -23,6 +23,12 @@ compile with on a CPU machine.
   - XLA_FLAGS gains `CPU_XLA_FLAGS` (the options the `xla_cpu` kernels were tuned
     under), only when no accelerator device file exists and XLA_FLAGS does not name
     them; a value of yours for either option wins.
+  - JAX_COMPILATION_CACHE_DIR=<cache directory>/jax_compilation_cache
+    (`compilation_cache_dir`; the cache directory is $T5X_LITE_CACHE, else
+    ~/.cache/t5x_lite): JAX's persistent compilation cache, so a program that took a
+    second or more to compile (a train step, an eval step, a decode) is loaded from
+    disk by the next run of the same model and shapes instead of compiled again. An
+    empty JAX_COMPILATION_CACHE_DIR turns it off; tools/benchmark.py leaves it off.
   - JAX_PLATFORMS=cpu, only when no accelerator device file exists
     (`ACCELERATOR_DEVICES`): otherwise JAX loads libtpu to look for a TPU, which prints
     `TPU_ACCELERATOR_TYPE` and `TPU_WORKER_HOSTNAMES` errors and `Unable to initialize
@@ -64,6 +70,8 @@ import sys
 from collections.abc import Iterator, Mapping, Sequence
 
 from absl import logging  # absl loads neither TensorFlow nor JAX
+
+from t5x_lite.core import cache  # nor does this (gin, the standard library)
 
 # Device files of TPUs (v2-v4: accel, v5 and later: vfio), NVIDIA GPUs (dxg: WSL)
 # and AMD GPUs. JAX_PLATFORMS is left unset when any exists.
@@ -182,12 +190,16 @@ def add_cpu_xla_flags(environ: dict[str, str] | None = None) -> list[str]:
   return added
 
 
-def default_environment(environ: Mapping[str, str], accelerator: bool) -> dict[str, str]:
+def default_environment(
+  environ: Mapping[str, str], accelerator: bool, compilation_cache: bool = True
+) -> dict[str, str]:
   """The module docstring's defaults that `environ` does not set.
 
   Args:
     environ: the current environment.
     accelerator: whether the machine may have a TPU or GPU (`has_accelerator`).
+    compilation_cache: whether to default JAX_COMPILATION_CACHE_DIR
+      (`compilation_cache_dir`).
 
   Returns:
     Variable name -> default value, for the variables `environ` lacks.
@@ -195,7 +207,16 @@ def default_environment(environ: Mapping[str, str], accelerator: bool) -> dict[s
   defaults = {"TF_CPP_MIN_LOG_LEVEL": "2", "TF_ENABLED_DEVICE_TYPES": "CPU"}
   if not accelerator:
     defaults["JAX_PLATFORMS"] = "cpu"
+  if compilation_cache:
+    defaults["JAX_COMPILATION_CACHE_DIR"] = compilation_cache_dir(environ)
   return {name: value for name, value in defaults.items() if name not in environ}
+
+
+def compilation_cache_dir(environ: Mapping[str, str]) -> str:
+  """`jax_compilation_cache` in the t5x_lite cache directory (`cache.cache_dir`'s
+  choice: $T5X_LITE_CACHE, else ~/.cache/t5x_lite)."""
+  root = environ.get(cache.CACHE_ENV) or cache.DEFAULT_CACHE_DIR
+  return os.path.join(os.path.abspath(os.path.expanduser(root)), "jax_compilation_cache")
 
 
 @contextlib.contextmanager
@@ -246,7 +267,7 @@ def asks_for_huge_pages(argv: Sequence[str]) -> bool:
   return on
 
 
-def quiet_startup(import_tensorflow: bool = True) -> list[str]:
+def quiet_startup(import_tensorflow: bool = True, compilation_cache: bool = True) -> list[str]:
   """The module docstring's environment defaults, then a quiet TensorFlow import.
 
   Call it first in an entry point, before TensorFlow or JAX load; a later call adds
@@ -256,6 +277,8 @@ def quiet_startup(import_tensorflow: bool = True) -> list[str]:
   Args:
     import_tensorflow: import TensorFlow now, its load-time noise filtered (for
       entry points that read data with seqio).
+    compilation_cache: default JAX's persistent compilation cache on (False for a
+      tool that measures compile times).
 
   Returns:
     What it did, one short phrase per choice (also `startup_choices()`).
@@ -265,7 +288,7 @@ def quiet_startup(import_tensorflow: bool = True) -> list[str]:
   if asks_for_huge_pages(sys.argv[1:]):
     restart_with_huge_pages()  # returns only if it cannot, or it did already
   user_log_level = "TF_CPP_MIN_LOG_LEVEL" in os.environ
-  defaults = default_environment(os.environ, has_accelerator())
+  defaults = default_environment(os.environ, has_accelerator(), compilation_cache)
   os.environ.update(defaults)
   for name, value in defaults.items():
     reason = " (no accelerator device file)" if name == "JAX_PLATFORMS" else ""
