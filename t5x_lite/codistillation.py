@@ -108,8 +108,7 @@ class CoDistillationModel(base_model.BaseModel):
       kl = distillation.soft_target_kl(logits[name], target, self.temperature)  # [batch, len]
       kl = jnp.sum(kl * weights) / factor
       loss = self.alpha * self.temperature**2 * kl + (1.0 - self.alpha) * hard
-      terms[name] = {"loss": loss, "hard": hard, "z_loss": z_loss, "kl": kl}
-      terms[name]["logits"] = logits[name]
+      terms[name] = {"loss": loss, "hard": hard, "z_loss": z_loss, "kl": kl, "logits": logits[name]}
     return terms
 
   def loss_fn(
