@@ -7,7 +7,10 @@ none of them asks what kind of model it has. The members:
 * `t5x_lite.models.EncoderDecoderModel` and `DecoderOnlyModel`, siblings under
   `models.BaseTransformerModel` (a T5 network's loss, scores and decoding).
 * `t5x_lite.distillation.DistillationModel`, which composes a student and a teacher model
-  and keeps the teacher's params as its auxiliary state.
+  and keeps the teacher's params as its auxiliary state, and its variants in
+  `t5x_lite.distillation_modes` (several teachers; an EMA of the student as teacher).
+* `t5x_lite.codistillation.CoDistillationModel`: two models in one params tree, each
+  distilling the other.
 
 Auxiliary state is a pytree a model keeps beside its trained params (a teacher's params,
 an average of the params): the trainer shards it by its logical axes (`init_aux_state`),

@@ -37,6 +37,7 @@ import gin
 import jax
 import jax.numpy as jnp
 from absl import logging
+from etils import epath
 
 from t5x_lite import base_model, models
 from t5x_lite.nn import flops, losses, network
@@ -187,18 +188,39 @@ class DistillationModel(base_model.BaseModel):
     factor, weights = normalization or student.loss_normalization(batch)
     logits = student.teacher_forced_logits(params, batch, dropout_rng)
     hard, z_loss = student.cross_entropy(logits, batch, weights, factor)
-    kl = soft_target_kl(logits, self.teacher_logits(aux_state, batch), self.temperature)
-    soft = jnp.sum(kl * weights) / factor
+    soft, soft_sums = self.soft_term(logits, aux_state, batch, weights, factor)
     loss = self.alpha * self.temperature**2 * soft + (1.0 - self.alpha) * hard
     correct = student.token_correct(logits, batch["decoder_target_tokens"])
     sums = losses.metric_sums(correct, batch, weights, hard, z_loss)
-    return loss, {**sums, "loss": loss, "distill_kl": soft}
+    return loss, {**sums, **soft_sums, "loss": loss, "distill_kl": soft}
+
+  def soft_term(
+    self,
+    logits: jax.Array,
+    aux_state: PyTree,
+    batch: Batch,
+    weights: jax.Array,
+    factor: float | jax.Array,
+  ) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """The normalised soft-target KL against the teacher(s) in `aux_state`.
+
+    Args:
+      logits: the student's [batch, length, vocab].
+      aux_state: this model's auxiliary state (the teacher's params).
+      batch: the features.
+      weights: [batch, length] loss weights.
+      factor: the loss normalising factor.
+
+    Returns:
+      (KL summed over weighted tokens / factor, extra metric sums: none here).
+    """
+    kl = soft_target_kl(logits, self.teacher_logits(aux_state, batch), self.temperature)
+    return jnp.sum(kl * weights) / factor, {}
 
   def finalize_metrics(self, sums: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
-    """The student's metrics, plus `distill_kl` in training."""
+    """The student's metrics, plus `distill_kl` (and any `distill_kl_*`) in training."""
     metrics = self.student.finalize_metrics(sums)
-    if "distill_kl" in sums:
-      metrics["distill_kl"] = sums["distill_kl"]
+    metrics.update({name: value for name, value in sums.items() if name.startswith("distill_kl")})
     return metrics
 
   def score_batch(self, params: PyTree, batch: Batch) -> jax.Array:
@@ -228,6 +250,76 @@ class DistillationModel(base_model.BaseModel):
     )
 
 
+def check_settings(binding: str, alpha: float, temperature: float) -> None:
+  """Raises a ConfigError naming `binding.alpha` / `binding.temperature` when out of range."""
+  if not 0.0 <= alpha <= 1.0:
+    raise ConfigError(f"{binding}.alpha must be in [0, 1], got {alpha}.")
+  if temperature <= 0:
+    raise ConfigError(f"{binding}.temperature must be positive, got {temperature}.")
+
+
+def check_architecture(role: str, config: network.T5Config) -> None:
+  """Raises a ConfigError unless `config` is an encoder-decoder (`role`: who it is)."""
+  if config.architecture != "encoder_decoder":
+    raise ConfigError(
+      f"Distillation needs encoder-decoder models; the {role} is T5Config.architecture "
+      f"{config.architecture!r}."
+    )
+
+
+def build_student(
+  config: network.T5Config | None, vocabulary: seqio.Vocabulary | None
+) -> models.EncoderDecoderModel:
+  """`models.build_model(config, vocabulary)`, checked for distillation.
+
+  Raises:
+    ConfigError: a decoder-only student, or a chunked loss
+      (`EncoderDecoderModel.loss_chunk_length`).
+  """
+  student = models.build_model(config, vocabulary)
+  check_architecture("student", student.network_config)
+  if student.loss_chunk_length:
+    raise ConfigError(
+      "Distillation compares the student's whole logits with the teacher's; unset "
+      f"EncoderDecoderModel.loss_chunk_length (it is {student.loss_chunk_length})."
+    )
+  return student
+
+
+def load_teacher(
+  path: str, student: models.EncoderDecoderModel, binding: str
+) -> tuple[epath.Path, models.EncoderDecoderModel]:
+  """The teacher checkpoint's step directory and its model over the student's vocabulary.
+
+  Args:
+    path: checkpoint root (newest intact step) or step directory.
+    student: the student (its vocabulary size must be the teacher's).
+    binding: the gin binding that named `path`, for error messages.
+
+  Raises:
+    ConfigError: a decoder-only teacher, another vocabulary size, or another recorded
+      vocabulary (`checkpoints.check_vocabulary`).
+    CheckpointNotFoundError / CorruptCheckpointError: a bad path.
+  """
+  [(_, step_dir)] = checkpoints.find_steps(path)
+  config = teacher_config(step_dir)
+  check_architecture("teacher", config)
+  if config.vocab_size != student.network_config.vocab_size:
+    raise ConfigError(
+      f"The teacher {path} ({binding}) has vocab_size {config.vocab_size} and the "
+      f"student T5Config.vocab_size {student.network_config.vocab_size}; distillation needs "
+      "the same vocabulary."
+    )
+  try:
+    checkpoints.check_vocabulary(step_dir, student.output_vocabulary)
+  except ConfigError as e:
+    raise ConfigError(f"The teacher {path} ({binding}): {e}") from e
+  teacher = models.EncoderDecoderModel(
+    models.network_module(config), student.input_vocabulary, student.output_vocabulary
+  )
+  return step_dir, teacher
+
+
 @gin.configurable
 def build_distillation_model(
   teacher_checkpoint_path: str = gin.REQUIRED,
@@ -252,40 +344,14 @@ def build_distillation_model(
       student's loss is chunked (`EncoderDecoderModel.loss_chunk_length`).
     CheckpointNotFoundError / CorruptCheckpointError: a bad teacher path.
   """
-  if not 0.0 <= alpha <= 1.0:
-    raise ConfigError(f"build_distillation_model.alpha must be in [0, 1], got {alpha}.")
-  if temperature <= 0:
-    raise ConfigError(f"build_distillation_model.temperature must be positive, got {temperature}.")
-  student = models.build_model(config, vocabulary)
-  [(_, step_dir)] = checkpoints.find_steps(teacher_checkpoint_path)
-  teacher = teacher_config(step_dir)
-  for role, architecture in (
-    ("student", student.network_config.architecture),
-    ("teacher", teacher.architecture),
-  ):
-    if architecture != "encoder_decoder":
-      raise ConfigError(
-        f"Distillation needs encoder-decoder models; the {role} is T5Config.architecture "
-        f"{architecture!r}."
-      )
-  if student.loss_chunk_length:
-    raise ConfigError(
-      "Distillation compares the student's whole logits with the teacher's; unset "
-      f"EncoderDecoderModel.loss_chunk_length (it is {student.loss_chunk_length})."
-    )
-  if teacher.vocab_size != student.network_config.vocab_size:
-    raise ConfigError(
-      f"The teacher {teacher_checkpoint_path} has vocab_size {teacher.vocab_size} and the "
-      f"student T5Config.vocab_size {student.network_config.vocab_size}; distillation needs "
-      "the same vocabulary."
-    )
-  logging.info("Distilling from %s (%s), alpha %g, T %g", step_dir, teacher, alpha, temperature)
+  check_settings("build_distillation_model", alpha, temperature)
+  student = build_student(config, vocabulary)
+  step_dir, teacher = load_teacher(
+    teacher_checkpoint_path, student, "build_distillation_model.teacher_checkpoint_path"
+  )
+  logging.info(
+    "Distilling from %s (%s), alpha %g, T %g", step_dir, teacher.network_config, alpha, temperature
+  )
   return DistillationModel(
-    student,
-    models.EncoderDecoderModel(
-      models.network_module(teacher), student.input_vocabulary, student.output_vocabulary
-    ),
-    teacher_checkpoint=step_dir,
-    alpha=alpha,
-    temperature=temperature,
+    student, teacher, teacher_checkpoint=step_dir, alpha=alpha, temperature=temperature
   )

@@ -19,7 +19,7 @@ LAYERS: list[tuple[str, list[str]]] = [
   # distillation.py restores its teacher through checkpoint.checkpoints.
   ("checkpoint", ["checkpoint"]),
   # The contract (base_model) and its members; the trainer and the loop call the contract.
-  ("model", ["base_model", "models", "distillation"]),
+  ("model", ["base_model", "models", "distillation", "distillation_modes", "codistillation"]),
   ("training", ["training"]),
   # interop.t5x converts Adafactor state through training.factored_moments.
   ("interop", ["interop"]),

@@ -1,0 +1,329 @@
+"""Multi-teacher and self-distillation: one teacher is exactly standard distillation,
+the weighted sum matches a hand computation, the EMA teacher moves only by its rule,
+and both train through the real loop; bad settings are one-line errors."""
+
+import dataclasses
+import json
+import os
+
+import flax.linen as nn
+import gin
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+import tensorflow as tf
+
+from t5x_lite import distillation, distillation_modes, models
+from t5x_lite.checkpoint import checkpoints
+from t5x_lite.core import errors, gin_config
+from t5x_lite.data import pipeline
+from t5x_lite.nn import network
+from t5x_lite.run import train_lib
+from t5x_lite.training import optimizers, partitioning, trainer
+from text_tasks import VOCAB, register_text_task
+from tiny_models import tiny_checkpoint_config
+
+TASK = "distillation_modes_test_text"
+
+
+def _source(split: str, shuffle_files: bool, seed: int | None = None) -> tf.data.Dataset:
+  del shuffle_files, seed
+  texts = [f"{split} line {i}: " + "ab" * (i % 5) for i in range(32)]
+  return tf.data.Dataset.from_tensor_slices({"inputs": texts, "targets": texts[::-1]})
+
+
+register_text_task(TASK, _source, ["train", "validation"])
+pytestmark = pytest.mark.usefixtures("clean_gin")
+KWARGS = dict(z_loss=1e-4, label_smoothing=0.1, loss_normalizing_factor="NUM_REAL_TARGET_TOKENS")
+
+
+def _batch(seed: int = 0, batch: int = 8, inputs: int = 7, targets: int = 5) -> dict:
+  rng = np.random.default_rng(seed)
+  decoder_target_tokens = rng.integers(2, 300, (batch, targets)).astype(np.int32)
+  decoder_target_tokens[0, -2:] = 0  # padding: zero loss weight
+  decoder_input_tokens = np.pad(decoder_target_tokens[:, :-1], ((0, 0), (1, 0)))
+  return {
+    "encoder_input_tokens": rng.integers(2, 300, (batch, inputs)).astype(np.int32),
+    "decoder_input_tokens": decoder_input_tokens,
+    "decoder_target_tokens": decoder_target_tokens,
+    "decoder_loss_weights": (decoder_target_tokens > 0).astype(np.float32),
+  }
+
+
+def _model(config: network.T5Config, **kwargs) -> models.EncoderDecoderModel:
+  return models.EncoderDecoderModel(network.Transformer(config), VOCAB, VOCAB, **kwargs)
+
+
+def _params(config: network.T5Config, seed: int):
+  return nn.meta.unbox(network.init_params(config, jax.random.PRNGKey(seed)))
+
+
+def _value_and_grad(model, params, batch, aux_state):
+  fn = jax.value_and_grad(model.loss_fn, has_aux=True)
+  return jax.jit(lambda p, a: fn(p, batch, None, aux_state=a))(params, aux_state)
+
+
+def test_one_teacher_with_weight_one_is_exactly_standard_distillation():
+  teacher_config = tiny_checkpoint_config(emb_dim=48, num_decoder_layers=2)
+  student = _model(tiny_checkpoint_config(), **KWARGS)
+  single = distillation.DistillationModel(
+    student, _model(teacher_config), teacher_checkpoint="unused", alpha=0.4, temperature=2.0
+  )
+  multi = distillation_modes.MultiTeacherDistillationModel(
+    student,
+    [_model(teacher_config)],
+    teacher_checkpoints=["unused"],
+    weights=[1.0],
+    alpha=0.4,
+    temperature=2.0,
+  )
+  params, teacher = _params(student.network_config, 0), _params(teacher_config, 1)
+  batch = _batch()
+  (loss, sums), grads = _value_and_grad(single, params, batch, teacher)
+  (multi_loss, multi_sums), multi_grads = _value_and_grad(multi, params, batch, (teacher,))
+  np.testing.assert_array_equal(multi_loss, loss)
+  jax.tree.map(np.testing.assert_array_equal, multi_grads, grads)
+  for name, value in sums.items():
+    np.testing.assert_array_equal(multi_sums[name], value, err_msg=name)
+  assert float(sums["distill_kl"]) > 0.01
+  np.testing.assert_array_equal(multi_sums["distill_kl_0"], sums["distill_kl"])
+
+
+def test_several_teachers_give_the_weighted_sum_of_their_kls():
+  configs = [tiny_checkpoint_config(emb_dim=48), tiny_checkpoint_config(num_decoder_layers=2)]
+  student = _model(tiny_checkpoint_config(), **KWARGS)
+  alpha, t, weights = 0.6, 3.0, (0.25, 0.75)
+  multi = distillation_modes.MultiTeacherDistillationModel(
+    student,
+    [_model(c) for c in configs],
+    teacher_checkpoints=["a", "b"],
+    weights=weights,
+    alpha=alpha,
+    temperature=t,
+  )
+  params = _params(student.network_config, 0)
+  teachers = (_params(configs[0], 10), _params(configs[1], 11))
+  # A sharper second teacher, so that the two KLs differ and the weights matter.
+  teachers[1]["decoder"]["logits_dense"]["kernel"] *= 8.0
+  batch = _batch(seed=3)
+  loss, sums = multi.loss_fn(params, batch, None, aux_state=teachers)
+  # By hand: each KL from the student's and that teacher's logits, normalised by the
+  # number of real target tokens (the student's loss_normalizing_factor).
+  logits = student.teacher_forced_logits(params, batch, None)
+  w = batch["decoder_loss_weights"]
+  kls = []
+  for config, teacher_params in zip(configs, teachers):
+    teacher_logits = _model(config).teacher_forced_logits(teacher_params, batch, None)
+    kls.append(np.sum(distillation.soft_target_kl(logits, teacher_logits, t) * w) / w.sum())
+  plain_loss, _ = student.loss_fn(params, batch, None)
+  soft = weights[0] * kls[0] + weights[1] * kls[1]
+  np.testing.assert_allclose(sums["distill_kl_0"], kls[0], rtol=1e-5)
+  np.testing.assert_allclose(sums["distill_kl_1"], kls[1], rtol=1e-5)
+  np.testing.assert_allclose(sums["distill_kl"], soft, rtol=1e-5)
+  np.testing.assert_allclose(loss, alpha * t**2 * soft + (1 - alpha) * plain_loss, rtol=1e-5)
+  assert abs(kls[0] - kls[1]) > 0.05  # two different teachers: the weights matter
+  metrics = multi.finalize_metrics(sums)
+  assert {"distill_kl", "distill_kl_0", "distill_kl_1"} <= set(metrics)
+  teacher_grads = jax.grad(lambda tp: multi.loss_fn(params, batch, None, aux_state=tp)[0])(teachers)
+  assert all(not np.any(g) for g in jax.tree.leaves(teacher_grads))
+
+
+def test_self_distillation_teacher_moves_only_by_the_ema_rule():
+  decay = 0.75
+  model = distillation_modes.SelfDistillationModel(
+    _model(tiny_checkpoint_config(), **KWARGS), ema_decay=decay, alpha=0.5, temperature=2.0
+  )
+  params = _params(model.network_config, 0)
+  batch = _batch(seed=4)
+  # The loss has no gradient with respect to the teacher (its logits are stopped).
+  teacher = _params(model.network_config, 1)
+  teacher_grads = jax.grad(lambda tp: model.loss_fn(params, batch, None, aux_state=tp)[0])(teacher)
+  assert all(not np.any(g) for g in jax.tree.leaves(teacher_grads))
+
+  partitioner = partitioning.Partitioner(num_partitions=2)
+  optimizer = optimizers.adafactor(learning_rate=0.05)
+  state, shardings = trainer.init_train_state(model, optimizer, jax.random.PRNGKey(0), partitioner)
+  abstract, _ = trainer.abstract_train_state(model, optimizer, partitioner)
+  state = state.replace(aux_state=model.start_aux_state(abstract.aux_state, state.params))
+  kernel = ("decoder", "logits_dense", "kernel")  # [embed, vocab]: vocab over 'model'
+  aux_kernel = state.aux_state[kernel[0]][kernel[1]][kernel[2]]
+  assert aux_kernel.sharding.spec == shardings.aux_state[kernel[0]][kernel[1]][kernel[2]].spec
+  # It starts as a copy of the starting params.
+  jax.tree.map(
+    np.testing.assert_array_equal, jax.device_get(state.aux_state), jax.device_get(state.params)
+  )
+  step = trainer.make_train_step(model, optimizer, partitioner, shardings)
+  teacher_before, params_before = jax.device_get((state.aux_state, state.params))
+  state, metrics = step(state, batch, jax.random.PRNGKey(1))
+  assert abs(float(metrics["distill_kl"])) < 1e-6  # the teacher equals the student at step 0
+  teacher_1, params_1 = jax.device_get((state.aux_state, state.params))
+  state, metrics = step(state, batch, jax.random.PRNGKey(1))
+  teacher_2, params_2 = jax.device_get((state.aux_state, state.params))
+  assert float(metrics["distill_kl"]) > 0
+  # By hand, in float64: t1 = d t0 + (1 - d) p1, t2 = d t1 + (1 - d) p2.
+  for path, t0 in jax.tree_util.tree_leaves_with_path(teacher_before):
+    p0 = _at(params_before, path)
+    p1, p2 = _at(params_1, path), _at(params_2, path)
+    assert not np.array_equal(p0, p1) or not np.array_equal(p1, p2), path
+    t1 = decay * t0.astype(np.float64) + (1 - decay) * p1
+    t2 = decay * t1 + (1 - decay) * p2
+    np.testing.assert_allclose(_at(teacher_1, path), t1, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(_at(teacher_2, path), t2, rtol=1e-6, atol=1e-7)
+
+
+def _at(tree, path):
+  for key in path:
+    tree = tree[key.key]
+  return np.asarray(tree)
+
+
+def test_decay_one_keeps_the_starting_params_as_the_teacher():
+  model = distillation_modes.SelfDistillationModel(
+    _model(tiny_checkpoint_config()), ema_decay=1.0, alpha=0.5, temperature=1.0
+  )
+  start, later = _params(model.network_config, 0), _params(model.network_config, 1)
+  kept = model.update_aux_state(start, later, jax.numpy.int32(5))
+  jax.tree.map(np.testing.assert_array_equal, kept, start)
+
+
+def _dataset() -> pipeline.DatasetConfig:
+  return pipeline.DatasetConfig(
+    mixture_or_task_name=TASK,
+    task_feature_lengths={"inputs": 32, "targets": 32},
+    batch_size=8,
+    pack=False,
+  )
+
+
+def _train(model_dir, steps: int, model):
+  return train_lib.train(
+    model_dir=str(model_dir),
+    total_steps=steps,
+    model=model,
+    optimizer=optimizers.adafactor(learning_rate=0.01),
+    train_dataset_cfg=_dataset(),
+    log_period=1,
+  )
+
+
+def _save_teacher(root, config: network.T5Config, seed: int = 7) -> None:
+  checkpoints.write_params_checkpoint(
+    root, jax.device_get(_params(config, seed)), config=dataclasses.asdict(config)
+  )
+
+
+def _train_records(model_dir) -> list[dict]:
+  with open(os.path.join(model_dir, "metrics.jsonl")) as f:
+    return [r for r in map(json.loads, f) if r["split"] == "train"]
+
+
+def test_multi_teacher_and_self_distillation_train_and_save_the_student(tmp_path):
+  configs = [tiny_checkpoint_config(emb_dim=48), tiny_checkpoint_config(num_decoder_layers=2)]
+  for i, config in enumerate(configs):
+    _save_teacher(tmp_path / f"teacher{i}", config, seed=7 + i)
+  build = dict(config=tiny_checkpoint_config(), vocabulary=VOCAB)
+  multi = distillation_modes.build_multi_teacher_distillation_model(
+    teacher_checkpoint_paths=[str(tmp_path / "teacher0"), str(tmp_path / "teacher1")],
+    teacher_weights=[0.5, 0.5],
+    **build,
+  )
+  assert [t.network_config for t in multi.teachers] == configs
+  selfd = distillation_modes.build_self_distillation_model(ema_decay=0.9, **build)
+  plain_target = jax.eval_shape(lambda: _params(tiny_checkpoint_config(), 0))
+  for name, model in (("multi", multi), ("self", selfd)):
+    state = _train(tmp_path / name, 2, model)
+    records = _train_records(tmp_path / name)
+    assert [r["step"] for r in records] == [1, 2]
+    assert records[-1]["distill_kl"] > 0
+    # The checkpoint is the student's alone: it restores as a plain model.
+    saved = checkpoints.saved_shapes(tmp_path / name / "2" / checkpoints.PARAMS)
+    assert saved == checkpoints.flat_shapes(jax.device_get(state.params))
+    restored = checkpoints.restore_params(tmp_path / name, plain_target)
+    jax.tree.map(np.testing.assert_array_equal, restored, jax.device_get(state.params))
+
+
+def _one_line_error(build, message: str, **kwargs) -> None:
+  with pytest.raises(errors.UserError, match=message) as e:
+    build(**kwargs)
+  lines = [line for line in str(e.value).splitlines() if "In call to configurable" not in line]
+  assert len(lines) == 1, str(e.value)
+
+
+def test_bad_settings_are_one_line_errors_naming_the_binding(tmp_path):
+  _save_teacher(tmp_path / "a", tiny_checkpoint_config())
+  _save_teacher(tmp_path / "wide", tiny_checkpoint_config(vocab_size=384))
+  build = dict(config=tiny_checkpoint_config(), vocabulary=VOCAB)
+  multi = distillation_modes.build_multi_teacher_distillation_model
+  paths = [str(tmp_path / "a"), str(tmp_path / "a")]
+  name = "build_multi_teacher_distillation_model"
+  cases = [
+    (dict(teacher_checkpoint_paths=paths, teacher_weights=[1.0]), f"{name}.teacher_weights has 1"),
+    (dict(teacher_checkpoint_paths=paths, teacher_weights=[1.0, -0.5]), f"{name}.teacher_weights"),
+    (dict(teacher_checkpoint_paths=paths, teacher_weights=[0.0, 0.0]), "not all 0"),
+    (dict(teacher_checkpoint_paths=paths, alpha=-0.1), f"{name}.alpha must be in"),
+    (dict(teacher_checkpoint_paths=[]), f"{name}.teacher_checkpoint_paths names no"),
+    (
+      dict(teacher_checkpoint_paths=[paths[0], str(tmp_path / "wide")]),
+      rf"{name}.teacher_checkpoint_paths\[1\].*vocab_size 384",
+    ),
+  ]
+  for kwargs, message in cases:
+    _one_line_error(multi, message, **kwargs, **build)
+  selfd = distillation_modes.build_self_distillation_model
+  name = "build_self_distillation_model"
+  for kwargs, message in [
+    (dict(ema_decay=-0.01), f"{name}.ema_decay must be in"),
+    (dict(ema_decay=1.5), f"{name}.ema_decay must be in"),
+    (dict(alpha=2.0), f"{name}.alpha must be in"),
+    (dict(temperature=0.0), f"{name}.temperature must be positive"),
+  ]:
+    _one_line_error(selfd, message, **kwargs, **build)
+
+
+def _save_teacher_with_vocabulary(root, digest: str) -> None:
+  """A teacher whose train_meta records a SentencePiece vocabulary (as training does)."""
+  config = tiny_checkpoint_config()
+  fingerprint = {"sentencepiece_model_file": root.name, "sha256": digest, "extra_ids": 100}
+  items = {
+    checkpoints.PARAMS: ocp.args.StandardSave(jax.device_get(_params(config, 7))),
+    checkpoints.TRAIN_META: ocp.args.JsonSave(
+      {
+        checkpoints.MODEL_CONFIG_KEY: dataclasses.asdict(config),
+        checkpoints.VOCABULARY_KEY: fingerprint,
+      }
+    ),
+  }
+  options = ocp.CheckpointManagerOptions(enable_async_checkpointing=False)
+  with ocp.CheckpointManager(root, options=options) as manager:
+    manager.save(0, args=ocp.args.Composite(**items), force=True)
+  checkpoints.write_file_manifest(root / "0")
+
+
+def test_teachers_trained_with_different_vocabularies_are_refused(tmp_path):
+  for name, digest in (("a", "0" * 64), ("b", "1" * 64)):
+    _save_teacher_with_vocabulary(tmp_path / name, digest)
+  assert checkpoints.read_json_item(tmp_path / "a" / "0", checkpoints.TRAIN_META) is not None
+  _one_line_error(
+    distillation_modes.build_multi_teacher_distillation_model,
+    r"build_multi_teacher_distillation_model.teacher_checkpoint_paths: teachers 0 .* and 1 "
+    ".*different vocabularies",
+    teacher_checkpoint_paths=[str(tmp_path / "a"), str(tmp_path / "b")],
+    config=tiny_checkpoint_config(),
+    vocabulary=VOCAB,
+  )
+
+
+@pytest.mark.parametrize(
+  "gin_file, builder",
+  [
+    ("runs/distill_multi.gin", "build_multi_teacher_distillation_model"),
+    ("runs/self_distill.gin", "build_self_distillation_model"),
+  ],
+)
+def test_gin_files_bind_the_models(gin_file, builder):
+  bindings = ["TEACHER_CHECKPOINT_PATHS = ['./runs/a', './runs/b']"] * ("multi" in gin_file)
+  gin_config.parse_gin([gin_file], bindings)
+  assert gin.query_parameter("train.model").selector == f"distillation_modes.{builder}"
+  value = gin.query_parameter(f"distillation_modes.{builder}.alpha")
+  assert gin_config.resolved_macro(value) == 0.5
