@@ -37,12 +37,13 @@ import gin
 import jax
 import jax.numpy as jnp
 from absl import logging
+from etils import epath
 
 from t5x_lite import base_model, models
 from t5x_lite.nn import flops, losses, network
 from t5x_lite.checkpoint import checkpoints
 from t5x_lite.core.errors import ConfigError
-from t5x_lite.core.types import PyTree
+from t5x_lite.core.types import GIN_REQUIRED, PyTree
 
 if TYPE_CHECKING:
   import seqio
@@ -68,7 +69,7 @@ def soft_target_kl(
   return jnp.sum(jnp.exp(teacher) * (teacher - student), axis=-1)
 
 
-def teacher_config(step_dir: os.PathLike[str] | str) -> network.T5Config:
+def teacher_config(step_dir: epath.Path) -> network.T5Config:
   """The T5Config a teacher checkpoint stores, with no gin bindings applied.
 
   The student's `T5Config.*` bindings describe the student only: every field is
@@ -230,7 +231,7 @@ class DistillationModel(base_model.BaseModel):
 
 @gin.configurable
 def build_distillation_model(
-  teacher_checkpoint_path: str = gin.REQUIRED,
+  teacher_checkpoint_path: str = GIN_REQUIRED,
   alpha: float = 0.5,
   temperature: float = 2.0,
   config: network.T5Config | None = None,
