@@ -282,9 +282,11 @@ def build_distillation_model(
     )
   logging.info("Distilling from %s (%s), alpha %g, T %g", step_dir, teacher, alpha, temperature)
   return DistillationModel(
-    student,
-    models.EncoderDecoderModel(
-      models.network_module(teacher), student.input_vocabulary, student.output_vocabulary
+    student=student,
+    teacher=models.EncoderDecoderModel(
+      module=models.network_module(teacher),
+      input_vocabulary=student.input_vocabulary,
+      output_vocabulary=student.output_vocabulary,
     ),
     teacher_checkpoint=step_dir,
     alpha=alpha,

@@ -494,10 +494,10 @@ def _zero_after_eos(tokens: jax.Array, eos_id: int) -> jax.Array:
 def network_module(config: network.T5Config) -> nn.Module:
   """The network of `config.architecture` (and `share_encoder_decoder`)."""
   if config.architecture != "encoder_decoder":
-    return decoder_only.DecoderOnlyTransformer(config)
+    return decoder_only.DecoderOnlyTransformer(config=config)
   if config.share_encoder_decoder:
-    return shared_encoder_decoder.SharedTransformer(config)
-  return network.Transformer(config)
+    return shared_encoder_decoder.SharedTransformer(config=config)
+  return network.Transformer(config=config)
 
 
 def init_params(config: network.T5Config, rng: jax.Array) -> PyTree:
@@ -543,4 +543,6 @@ def build_model(
       f"{config.vocab_size}; set T5Config.vocab_size >= {vocabulary.vocab_size}."
     )
   model_cls = EncoderDecoderModel if config.architecture == "encoder_decoder" else DecoderOnlyModel
-  return model_cls(network_module(config), vocabulary, vocabulary)
+  return model_cls(
+    module=network_module(config), input_vocabulary=vocabulary, output_vocabulary=vocabulary
+  )
