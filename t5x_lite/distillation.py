@@ -43,7 +43,7 @@ from t5x_lite import base_model, models
 from t5x_lite.nn import flops, losses, network
 from t5x_lite.checkpoint import checkpoints
 from t5x_lite.core.errors import ConfigError
-from t5x_lite.core.types import PyTree
+from t5x_lite.core.types import GIN_REQUIRED, PyTree
 
 if TYPE_CHECKING:
   import seqio
@@ -69,7 +69,7 @@ def soft_target_kl(
   return jnp.sum(jnp.exp(teacher) * (teacher - student), axis=-1)
 
 
-def teacher_config(step_dir: os.PathLike[str] | str) -> network.T5Config:
+def teacher_config(step_dir: epath.Path) -> network.T5Config:
   """The T5Config a teacher checkpoint stores, with no gin bindings applied.
 
   The student's `T5Config.*` bindings describe the student only: every field is
@@ -278,6 +278,7 @@ def build_student(
   """
   student = models.build_model(config, vocabulary)
   check_architecture("student", student.network_config)
+  assert isinstance(student, models.EncoderDecoderModel)  # the architecture's model
   if student.loss_chunk_length:
     raise ConfigError(
       "Distillation compares the student's whole logits with the teacher's; unset "
@@ -315,14 +316,16 @@ def load_teacher(
   except ConfigError as e:
     raise ConfigError(f"The teacher {path} ({binding}): {e}") from e
   teacher = models.EncoderDecoderModel(
-    models.network_module(config), student.input_vocabulary, student.output_vocabulary
+    module=models.network_module(config),
+    input_vocabulary=student.input_vocabulary,
+    output_vocabulary=student.output_vocabulary,
   )
   return step_dir, teacher
 
 
 @gin.configurable
 def build_distillation_model(
-  teacher_checkpoint_path: str = gin.REQUIRED,
+  teacher_checkpoint_path: str = GIN_REQUIRED,
   alpha: float = 0.5,
   temperature: float = 2.0,
   config: network.T5Config | None = None,
@@ -353,5 +356,9 @@ def build_distillation_model(
     "Distilling from %s (%s), alpha %g, T %g", step_dir, teacher.network_config, alpha, temperature
   )
   return DistillationModel(
-    student, teacher, teacher_checkpoint=step_dir, alpha=alpha, temperature=temperature
+    student=student,
+    teacher=teacher,
+    teacher_checkpoint=step_dir,
+    alpha=alpha,
+    temperature=temperature,
   )

@@ -32,11 +32,12 @@ import gin
 import jax
 import jax.numpy as jnp
 from absl import logging
+from etils import epath
 
 from t5x_lite import distillation, models
 from t5x_lite.checkpoint import checkpoints, stored_vocabulary
 from t5x_lite.core.errors import ConfigError
-from t5x_lite.core.types import PyTree
+from t5x_lite.core.types import GIN_REQUIRED, PyTree
 from t5x_lite.nn import flops, network
 
 if TYPE_CHECKING:
@@ -111,14 +112,15 @@ class MultiTeacherDistillationModel(distillation.DistillationModel):
     factor: float | jax.Array,
   ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """sum_i w_i * KL_i, each KL_i normalised like the cross-entropy; the KL_i as sums."""
-    per_teacher = {}
-    soft = None
+    per_teacher, terms = {}, []
     for i, (teacher, params, w) in enumerate(zip(self.teachers, aux_state, self.weights)):
       teacher_logits = jax.lax.stop_gradient(teacher.teacher_forced_logits(params, batch, None))
       kl = distillation.soft_target_kl(logits, teacher_logits, self.temperature)  # [batch, len]
       per_teacher[f"distill_kl_{i}"] = jnp.sum(kl * weights) / factor
-      term = w * per_teacher[f"distill_kl_{i}"]
-      soft = term if soft is None else soft + term
+      terms.append(w * per_teacher[f"distill_kl_{i}"])
+    soft = terms[0]  # one teacher: exactly its term, as DistillationModel's
+    for term in terms[1:]:
+      soft = soft + term
     return soft, per_teacher
 
 
@@ -166,7 +168,7 @@ def _same_vocabulary(
   """Raises a ConfigError when two teachers record different SentencePiece models."""
   seen = None
   for i, (path, step_dir) in enumerate(zip(paths, step_dirs)):
-    record = stored_vocabulary.recorded(step_dir)
+    record = stored_vocabulary.recorded(epath.Path(step_dir))
     if record is None:
       continue
     record = (record["sha256"], record["extra_ids"])
@@ -180,7 +182,7 @@ def _same_vocabulary(
 
 @gin.configurable
 def build_multi_teacher_distillation_model(
-  teacher_checkpoint_paths: Sequence[str] = gin.REQUIRED,
+  teacher_checkpoint_paths: Sequence[str] = GIN_REQUIRED,
   teacher_weights: Sequence[float] | None = None,
   alpha: float = 0.5,
   temperature: float = 2.0,

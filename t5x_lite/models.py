@@ -249,6 +249,8 @@ class BaseTransformerModel(base_model.BaseModel):
       params, batch, num_decodes, max_len, min_len
     )
     eos_id = self.output_vocabulary.eos_id
+    if eos_id is None:
+      raise ValueError("The output vocabulary has no EOS id, which ends decoding.")
     if decode_fn == "beam":
       tokens, scores = decoding.beam_search(
         prompt,
@@ -261,7 +263,7 @@ class BaseTransformerModel(base_model.BaseModel):
         initial_step=initial_step,
       )
     else:
-      sampling = {k: v for k, v in decoder_params.items() if k != "alpha"}
+      sampling: dict[str, Any] = {k: v for k, v in decoder_params.items() if k != "alpha"}
       if decode_fn == "greedy":
         sampling = {"temperature": 0.0}
       tokens, scores = decoding.temperature_sample(
@@ -300,7 +302,8 @@ class EncoderDecoderModel(BaseTransformerModel):
     output_hidden: bool = False,
   ) -> jax.Array:
     """See `BaseTransformerModel.teacher_forced_logits`."""
-    return self.module.apply(
+    # (flax types apply's result as the output or, with `mutable`, (output, state).)
+    return self.module.apply(  # pyright: ignore[reportReturnType]
       {"params": params},
       batch["encoder_input_tokens"],
       batch["decoder_input_tokens"],
@@ -404,7 +407,8 @@ class DecoderOnlyModel(BaseTransformerModel):
     output_hidden: bool = False,
   ) -> jax.Array:
     """See `BaseTransformerModel.teacher_forced_logits` (DecoderFeatureConverter features)."""
-    return self.module.apply(
+    # (flax types apply's result as the output or, with `mutable`, (output, state).)
+    return self.module.apply(  # pyright: ignore[reportReturnType]
       {"params": params},
       batch["decoder_input_tokens"],
       batch["decoder_target_tokens"],
@@ -490,10 +494,10 @@ def _zero_after_eos(tokens: jax.Array, eos_id: int) -> jax.Array:
 def network_module(config: network.T5Config) -> nn.Module:
   """The network of `config.architecture` (and `share_encoder_decoder`)."""
   if config.architecture != "encoder_decoder":
-    return decoder_only.DecoderOnlyTransformer(config)
+    return decoder_only.DecoderOnlyTransformer(config=config)
   if config.share_encoder_decoder:
-    return shared_encoder_decoder.SharedTransformer(config)
-  return network.Transformer(config)
+    return shared_encoder_decoder.SharedTransformer(config=config)
+  return network.Transformer(config=config)
 
 
 def init_params(config: network.T5Config, rng: jax.Array) -> PyTree:
@@ -531,7 +535,7 @@ def build_model(
   """
   from t5x_lite.data import vocab  # TensorFlow only when a model is configured
 
-  config = config or network.T5Config()
+  config = config or network.T5Config()  # pyright: ignore[reportCallIssue]  # gin binds it
   vocabulary = vocabulary or vocab.get_vocabulary()
   if vocabulary.vocab_size > config.vocab_size:
     raise ConfigError(
@@ -539,4 +543,6 @@ def build_model(
       f"{config.vocab_size}; set T5Config.vocab_size >= {vocabulary.vocab_size}."
     )
   model_cls = EncoderDecoderModel if config.architecture == "encoder_decoder" else DecoderOnlyModel
-  return model_cls(network_module(config), vocabulary, vocabulary)
+  return model_cls(
+    module=network_module(config), input_vocabulary=vocabulary, output_vocabulary=vocabulary
+  )

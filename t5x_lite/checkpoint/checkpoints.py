@@ -309,7 +309,9 @@ def model_config(step_dir: epath.Path) -> network.T5Config:
   """
   stored = stored_config_fields(step_dir) or {}
   bound = gin.get_bindings(network.T5Config)
-  fields = {k: tuple(v) if isinstance(v, list) else v for k, v in stored.items() if k not in bound}
+  fields: dict[str, Any] = {
+    k: tuple(v) if isinstance(v, list) else v for k, v in stored.items() if k not in bound
+  }
   required = [
     f.name
     for f in dataclasses.fields(network.T5Config)
@@ -373,7 +375,7 @@ def _fallback_leaves(
   Raises:
     CheckpointMismatchError: a fallback value's shape differs from the target's.
   """
-  flat = traverse_util.flatten_dict(fallback, sep="/")
+  flat: dict[str, Any] = traverse_util.flatten_dict(fallback, sep="/")
   leaves = {path: flat[path] for path in sorted(missing) if path in flat}
   if reshaped := [p for p, x in leaves.items() if tuple(x.shape) != tuple(target[p].shape)]:
     raise CheckpointMismatchError(
@@ -478,7 +480,7 @@ def write_params_checkpoint(
     raise CheckpointError(
       f"Checkpoint directory {shown(root)} already has step {step}; write to a new directory"
     )
-  items = {PARAMS: ocp.args.StandardSave(params)}
+  items: dict[str, ocp.args.CheckpointArgs] = {PARAMS: ocp.args.StandardSave(params)}
   if config is not None:
     items[CONFIG] = ocp.args.JsonSave(dict(config))
   if opt_state is not None:

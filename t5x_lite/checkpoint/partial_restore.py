@@ -261,7 +261,9 @@ def _read_leaves(
   )
   try:
     with ocp.PyTreeCheckpointer() as checkpointer:
-      restored = traverse_util.flatten_dict(checkpointer.restore(item_dir, args=args), sep="/")
+      restored: dict[str, Any] = traverse_util.flatten_dict(
+        checkpointer.restore(item_dir, args=args), sep="/"
+      )
   except Exception as e:  # tensorstore errors name the file in their message
     raise CheckpointError(f"Cannot restore {item_dir}: {e}") from e
   return {
@@ -297,7 +299,7 @@ def _restore_params(
 ) -> Any:
   """`restore_params` of one verified step directory."""
   item_dir = step_dir / checkpoints.PARAMS
-  flat_target = traverse_util.flatten_dict(target, sep="/")
+  flat_target: dict[str, Any] = traverse_util.flatten_dict(target, sep="/")
   if dtype is not None:
     flat_target = {
       p: jax.ShapeDtypeStruct(x.shape, np.dtype(dtype), sharding=x.sharding)
@@ -315,7 +317,7 @@ def _restore_params(
   plan = _plan(flat_target, view, config, adapters, str(item_dir), converted)
   _log_plan(plan, step_dir)
   leaves = _read_leaves(item_dir, plan.reads, flat_target, saved)
-  flat_fresh = traverse_util.flatten_dict(fresh, sep="/")
+  flat_fresh: dict[str, Any] = traverse_util.flatten_dict(fresh, sep="/")
   for path in plan.skipped + plan.fallback:
     leaves[path] = scan_layout.like(flat_fresh[path], flat_target[path])
   return traverse_util.unflatten_dict(leaves, sep="/")

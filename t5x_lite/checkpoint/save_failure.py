@@ -75,7 +75,7 @@ class FailureLog(std_logging.Filter):
     return False
 
 
-def _abandoned_write(unraisable: object) -> bool:
+def _abandoned_write(unraisable: sys.UnraisableHookArgs) -> bool:
   value = getattr(unraisable, "exc_value", None)
   return isinstance(value, RuntimeError) and str(value) == "Event loop is closed"
 
@@ -84,7 +84,7 @@ _hook_users = 0
 _previous_hook = sys.unraisablehook
 
 
-def _drop_abandoned_writes(unraisable: object) -> None:
+def _drop_abandoned_writes(unraisable: sys.UnraisableHookArgs) -> None:
   if not _abandoned_write(unraisable):
     _previous_hook(unraisable)
 

@@ -47,7 +47,7 @@ def _same(fingerprint: dict[str, Any] | None, stored: dict[str, Any]) -> bool:
   )
 
 
-def resolve(step_dir: epath.Path) -> seqio.Vocabulary | None:
+def resolve(step_dir: epath.Path) -> seqio.SentencePieceVocabulary | None:
   """The vocabulary `step_dir` was trained with; None when it records none.
 
   Args:

@@ -67,7 +67,7 @@ import logging as logging_std
 import os
 import subprocess
 import sys
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, MutableMapping, Sequence
 
 from absl import logging  # absl loads neither TensorFlow nor JAX
 
@@ -176,7 +176,7 @@ def has_accelerator() -> bool:
   return any(glob.glob(pattern) for pattern in ACCELERATOR_DEVICES)
 
 
-def add_cpu_xla_flags(environ: dict[str, str] | None = None) -> list[str]:
+def add_cpu_xla_flags(environ: MutableMapping[str, str] | None = None) -> list[str]:
   """Appends the `CPU_XLA_FLAGS` that XLA_FLAGS does not name yet; returns those added.
 
   Takes effect only before JAX starts its backends. `quiet_startup` calls it on a
@@ -235,6 +235,7 @@ def native_stderr_without(drop: Sequence[str]) -> Iterator[None]:
     stdin=subprocess.PIPE,
     stdout=subprocess.DEVNULL,
   )
+  assert line_filter.stdin is not None  # stdin=PIPE
   original = os.dup(2)
   os.dup2(line_filter.stdin.fileno(), 2)
   try:

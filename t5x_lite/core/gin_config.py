@@ -30,6 +30,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import gin
+import gin.config
 import gin.resource_reader as resource_reader
 from absl import app, flags
 
@@ -125,7 +126,7 @@ def _package_resource_exists(config_path: str) -> bool:
 
 def _use_safe_package_reader() -> None:
   """Swaps gin's package-resource existence check for `_package_resource_exists`."""
-  readers = gin.config._FILE_READERS  # pylint: disable=protected-access
+  readers: list[tuple[Any, Any]] = gin.config._FILE_READERS  # pylint: disable=protected-access
   for i, (reader, exists) in enumerate(readers):
     if exists is resource_reader.system_path_file_exists:
       readers[i] = (reader, _package_resource_exists)

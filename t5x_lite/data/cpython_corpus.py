@@ -26,6 +26,7 @@ import re
 import sys
 import sysconfig
 from collections.abc import Iterator
+from typing import Any
 
 import pydoc_data.topics
 
@@ -180,7 +181,8 @@ def _summary_line(docstring: str) -> str | None:
 def _undocumented_source(node: ast.FunctionDef | ast.AsyncFunctionDef) -> str:
   """Source of a function with its docstring statement removed."""
   body = node.body[1:] or [ast.Pass()]
-  stripped = type(node)(**{**{f: getattr(node, f) for f in node._fields}, "body": body})
+  fields: dict[str, Any] = {**{f: getattr(node, f) for f in node._fields}, "body": body}
+  stripped = type(node)(**fields)
   return ast.unparse(ast.fix_missing_locations(stripped))
 
 

@@ -27,7 +27,7 @@ import json
 import os
 import zlib
 from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
-from typing import Optional
+from typing import Optional, TypeAlias
 
 import gin
 import seqio
@@ -45,7 +45,7 @@ _BYTE_ORDER_MARK = "\ufeff"
 
 # {feature: one value per record}: a string, or a list of strings (a list feature, e.g.
 # the acceptable answers of a question, read as a variable-length string tensor).
-Columns = dict[str, list[str] | list[list[str]]]
+Columns: TypeAlias = Mapping[str, list[str] | list[list[str]]]
 LIST_POLICIES = ("join", "first", "all")
 
 
@@ -125,7 +125,8 @@ def numbered_lines(path: str) -> Iterator[tuple[int, str]]:
     with _open_binary(path) as f:
       for number, raw in enumerate(f, start=1):
         try:
-          line = raw.decode("utf-8")
+          # (TensorFlow's stubs have GFile yield str, even in "rb" mode.)
+          line = raw.decode("utf-8")  # pyright: ignore[reportAttributeAccessIssue]
         except UnicodeDecodeError as e:
           raise DataFileError(
             f"{path}:{number}: not valid UTF-8 (byte 0x{raw[e.start]:02x} at byte "
@@ -152,7 +153,7 @@ def _no_examples(path: str, last_line: int, header: bool) -> DataFileError:
 
 def read_tsv(
   path: str, columns: Optional[Sequence[str]] = None, has_header: bool = True
-) -> Columns:
+) -> dict[str, list[str]]:
   """Reads a TSV file into columns; empty lines are skipped.
 
   Column names come from the header row, or from `columns`:
@@ -181,7 +182,7 @@ def read_tsv(
   if not has_header and not columns:
     raise ConfigError(f"{path}: has_header=False needs columns=(...) naming the fields.")
   names = list(columns) if columns else None
-  out: Optional[Columns] = None
+  out: Optional[dict[str, list[str]]] = None
   number = 0
   for number, line in numbered_lines(path):
     fields = line.split("\t")
@@ -195,6 +196,7 @@ def read_tsv(
           "fields by position, so give one name per field."
         )
       continue
+    assert names is not None  # from columns=, else from the header row (line 1)
     if out is None:
       out = {name: [] for name in names}
     if not line.strip():
@@ -295,7 +297,8 @@ def _column(values: list[str] | list[list[str]]) -> tf.Tensor | tf.RaggedTensor:
   """A column as [records] strings, or [records, (items)] for a list feature."""
   if values and isinstance(values[0], list):
     flat = [item for row in values for item in row]
-    return tf.RaggedTensor.from_row_lengths(
+    # (from_row_lengths is missing from TensorFlow's stubs.)
+    return tf.RaggedTensor.from_row_lengths(  # pyright: ignore[reportAttributeAccessIssue]
       tf.constant(flat, tf.string, shape=[len(flat)]), [len(row) for row in values]
     )
   return tf.constant(values, tf.string, shape=[len(values)])
@@ -334,7 +337,8 @@ class InMemorySource(seqio.FunctionDataSource):
     self, split: str, shuffle_files: bool, seed: Optional[int] = None
   ) -> tf.data.Dataset:
     records = self.records(split)
-    ds = tf.data.Dataset.from_tensor_slices({k: _column(v) for k, v in records.items()})
+    # (TensorFlow's stubs take no RaggedTensor among the slices.)
+    ds = tf.data.Dataset.from_tensor_slices({k: _column(v) for k, v in records.items()})  # pyright: ignore[reportArgumentType]
     if shuffle_files:
       ds = ds.shuffle(max(self.num_input_examples(split), 1), seed=seed)
     return ds

@@ -45,7 +45,7 @@ def _binding(param: str) -> str:
   return f"mixture '{scope}' (gin {scope}/mixing_rate.{param}, or mixing_rate.{param} for all)"
 
 
-@gin.configurable(denylist=["task"])
+@gin.configurable(denylist=["task"])  # pyright: ignore[reportCallIssue]  # gin is untyped
 def mixing_rate(
   task: seqio.Task,
   strategy: str = "temperature",

@@ -98,7 +98,8 @@ def _random_segmentation(
     [tf.ones([num_segments - 1], tf.int32), tf.zeros([num_items - num_segments], tf.int32)],
     axis=0,
   )
-  order = tf.argsort(tf.random.stateless_uniform([num_items - 1], seed))  # [num_items - 1]
+  # [num_items - 1]. (TensorFlow's stubs take a shape of ints only, not of scalar tensors.)
+  order = tf.argsort(tf.random.stateless_uniform([num_items - 1], seed))  # pyright: ignore[reportArgumentType]
   starts = tf.gather(starts, order)
   segment_ids = tf.cumsum(tf.pad(starts, [[1, 0]]))  # [num_items]
   return tf.math.unsorted_segment_sum(tf.ones_like(segment_ids), segment_ids, num_segments)
@@ -131,13 +132,14 @@ def random_spans_noise_mask(
   num_noise = tf.clip_by_value(num_noise, 1, length - 1)
   num_spans = tf.cast(tf.round(tf.cast(num_noise, tf.float32) / mean_noise_span_length), tf.int32)
   num_spans = tf.clip_by_value(num_spans, 1, tf.minimum(num_noise, length - num_noise))
-  seeds = tf.random.experimental.stateless_split(seed, 2)  # [2, 2]
+  seeds = tf.random.split(seed, 2)  # [2, 2]
   noise_lengths = _random_segmentation(num_noise, num_spans, seeds[0])  # [num_spans]
   clean_lengths = _random_segmentation(length - num_noise, num_spans, seeds[1])  # [num_spans]
   span_lengths = tf.reshape(
     tf.stack([clean_lengths, noise_lengths], axis=1), [-1]
   )  # [2 * num_spans]
-  span_is_noise = tf.tile([False, True], [num_spans])  # [2 * num_spans]
+  # [2 * num_spans]. (TensorFlow's stubs take neither a list of bools nor of tensors here.)
+  span_is_noise = tf.tile([False, True], [num_spans])  # pyright: ignore[reportArgumentType]
   return tf.repeat(span_is_noise, span_lengths)
 
 
@@ -157,10 +159,10 @@ def replace_spans_with_sentinels(
     int32 [length - masked tokens + masked spans].
   """
   previous = tf.pad(span_mask[:-1], [[1, 0]])  # [length]
-  span_start = span_mask & ~previous
+  span_start = span_mask & tf.logical_not(previous)
   sentinels = vocab_size - tf.cumsum(tf.cast(span_start, tokens.dtype))  # [length]
   replaced = tf.where(span_start, sentinels, tokens)
-  return tf.boolean_mask(replaced, ~(span_mask & previous))
+  return tf.boolean_mask(replaced, tf.logical_not(span_mask & previous))
 
 
 def iid_mask_tokens(
@@ -186,7 +188,7 @@ def iid_mask_tokens(
   Returns:
     int32 [length], the corrupted tokens.
   """
-  seeds = tf.random.experimental.stateless_split(as_seed(seed), 3)  # [3, 2]
+  seeds = tf.random.split(as_seed(seed), 3)  # [3, 2]
   length = tf.size(tokens)
   selected = tf.random.stateless_uniform([length], seeds[0]) < noise_density
   action = tf.random.stateless_uniform([length], seeds[1])
@@ -228,7 +230,8 @@ def concat_and_split(
     total = tf.size(flat, out_type=tf.int64)
     num_rows = (total + segment_length - 1) // segment_length
     lengths = tf.minimum(total - tf.range(num_rows) * segment_length, segment_length)  # [rows]
-    return tf.RaggedTensor.from_row_lengths(flat, lengths)  # [rows, None]
+    # [rows, None]. (from_row_lengths is missing from TensorFlow's stubs.)
+    return tf.RaggedTensor.from_row_lengths(flat, lengths)  # pyright: ignore[reportAttributeAccessIssue]
 
   ds = dataset.map(lambda x: x[key], num_parallel_calls=tf.data.AUTOTUNE)
   ds = ds.ragged_batch(docs_per_batch).map(split, num_parallel_calls=tf.data.AUTOTUNE)

@@ -30,8 +30,9 @@ objectives while building the dataset, after gin is parsed, so a binding applies
 every task registered with the objective.
 
 All randomness is stateless and driven by the seeds seqio passes through
-`seqio.map_over_dataset(num_seeds=...)`, so a pipeline built with
-`seqio.get_dataset(..., seed=S)` is reproducible. Every output ends with EOS.
+`seqio.map_over_dataset(num_seeds=1)` (`preprocessors.map_over_dataset_with_seed`), so a
+pipeline built with `seqio.get_dataset(..., seed=S)` is reproducible. Every output ends
+with EOS.
 """
 
 import functools
@@ -51,21 +52,21 @@ from t5x_lite.data.noise import (
   replace_spans_with_sentinels,
 )
 from t5x_lite.data import preprocessors
-from t5x_lite.data.preprocessors import require_features
+from t5x_lite.data.preprocessors import Feature, map_over_dataset_with_seed, require_features
 
 
 def _append_eos(tokens: tf.Tensor, eos_id: int) -> tf.Tensor:
   return tf.concat([tokens, tf.cast([eos_id], tokens.dtype)], axis=0)
 
 
-def _targets_vocabulary(output_features: Mapping[str, seqio.Feature]) -> seqio.Vocabulary:
+def _targets_vocabulary(output_features: Mapping[str, Feature]) -> seqio.Vocabulary:
   return output_features["targets"].vocabulary
 
 
 # -------------------------------------------------------------- objectives
 
 
-@seqio.map_over_dataset(num_seeds=1)
+@map_over_dataset_with_seed
 def _span_corrupt(
   x, seed, vocab_size: int, eos_id: int, noise_density: float, mean_noise_span_length: float
 ):
@@ -73,7 +74,9 @@ def _span_corrupt(
   mask = random_spans_noise_mask(tf.size(tokens), seed, noise_density, mean_noise_span_length)
   return {
     "inputs": _append_eos(replace_spans_with_sentinels(tokens, mask, vocab_size), eos_id),
-    "targets": _append_eos(replace_spans_with_sentinels(tokens, ~mask, vocab_size), eos_id),
+    "targets": _append_eos(
+      replace_spans_with_sentinels(tokens, tf.logical_not(mask), vocab_size), eos_id
+    ),
   }
 
 
@@ -81,7 +84,7 @@ def _span_corrupt(
 def span_corruption(
   dataset: tf.data.Dataset,
   sequence_length: Mapping[str, int],
-  output_features: Mapping[str, seqio.Feature],
+  output_features: Mapping[str, Feature],
   noise_density: float = 0.15,
   mean_noise_span_length: float = 3.0,
 ) -> tf.data.Dataset:
@@ -116,7 +119,7 @@ def span_corruption(
   )
 
 
-@seqio.map_over_dataset(num_seeds=1)
+@map_over_dataset_with_seed
 def _iid_corrupt(
   x,
   seed,
@@ -137,7 +140,7 @@ def _iid_corrupt(
 def _iid_masking(
   dataset: tf.data.Dataset,
   sequence_length: Mapping[str, int],
-  output_features: Mapping[str, seqio.Feature],
+  output_features: Mapping[str, Feature],
   noise_density: float,
   mask_fraction: float,
   random_fraction: float,
@@ -160,7 +163,7 @@ def _iid_masking(
 def iid_denoising(
   dataset: tf.data.Dataset,
   sequence_length: Mapping[str, int],
-  output_features: Mapping[str, seqio.Feature],
+  output_features: Mapping[str, Feature],
   noise_density: float = 0.15,
 ) -> tf.data.Dataset:
   """BERT's own masking (Devlin et al.): of the selected tokens, 80% become the mask
@@ -186,7 +189,7 @@ def iid_denoising(
 def bert_style(
   dataset: tf.data.Dataset,
   sequence_length: Mapping[str, int],
-  output_features: Mapping[str, seqio.Feature],
+  output_features: Mapping[str, Feature],
   noise_density: float = 0.15,
 ) -> tf.data.Dataset:
   """The T5 paper's "BERT-style" objective (section 3.3.1): of the corrupted tokens,
@@ -201,7 +204,7 @@ def bert_style(
 def mass_style(
   dataset: tf.data.Dataset,
   sequence_length: Mapping[str, int],
-  output_features: Mapping[str, seqio.Feature],
+  output_features: Mapping[str, Feature],
   noise_density: float = 0.15,
 ) -> tf.data.Dataset:
   """MASS-style (the T5 paper's variant): every corrupted token becomes the mask token;
@@ -210,7 +213,7 @@ def mass_style(
   return _iid_masking(dataset, sequence_length, output_features, noise_density, 1.0, 0.0)
 
 
-@seqio.map_over_dataset(num_seeds=1)
+@map_over_dataset_with_seed
 def _shuffle_tokens(x, seed, eos_id: int):
   tokens = x["targets"]
   order = tf.argsort(tf.random.stateless_uniform([tf.size(tokens)], as_seed(seed)))
@@ -221,7 +224,7 @@ def _shuffle_tokens(x, seed, eos_id: int):
 def deshuffling(
   dataset: tf.data.Dataset,
   sequence_length: Mapping[str, int],
-  output_features: Mapping[str, seqio.Feature],
+  output_features: Mapping[str, Feature],
 ) -> tf.data.Dataset:
   """Deshuffling (the T5 paper, section 3.3.1): the inputs are the segment's tokens in
   a random order, the targets the segment. Lengths as `iid_denoising`.
@@ -231,7 +234,7 @@ def deshuffling(
   return _shuffle_tokens(ds, eos_id=vocabulary.eos_id)
 
 
-@seqio.map_over_dataset(num_seeds=1)
+@map_over_dataset_with_seed
 def _iid_spans(x, seed, vocab_size: int, eos_id: int, noise_density: float, drop: bool):
   tokens = x["targets"]
   noise = tf.random.stateless_uniform([tf.size(tokens)], as_seed(seed)) < noise_density
@@ -249,7 +252,7 @@ def _iid_spans(x, seed, vocab_size: int, eos_id: int, noise_density: float, drop
 def _iid_span_objective(
   dataset: tf.data.Dataset,
   sequence_length: Mapping[str, int],
-  output_features: Mapping[str, seqio.Feature],
+  output_features: Mapping[str, Feature],
   noise_density: float,
   drop: bool,
 ) -> tf.data.Dataset:
@@ -268,7 +271,7 @@ def _iid_span_objective(
 def iid_replace_spans(
   dataset: tf.data.Dataset,
   sequence_length: Mapping[str, int],
-  output_features: Mapping[str, seqio.Feature],
+  output_features: Mapping[str, Feature],
   noise_density: float = 0.15,
 ) -> tf.data.Dataset:
   """ "Replace corrupted spans" (the T5 paper, section 3.3.2): tokens are corrupted
@@ -286,7 +289,7 @@ def iid_replace_spans(
 def iid_drop_tokens(
   dataset: tf.data.Dataset,
   sequence_length: Mapping[str, int],
-  output_features: Mapping[str, seqio.Feature],
+  output_features: Mapping[str, Feature],
   noise_density: float = 0.15,
 ) -> tf.data.Dataset:
   """ "Drop corrupted tokens" (the T5 paper, section 3.3.2): tokens are corrupted
@@ -296,7 +299,7 @@ def iid_drop_tokens(
   return _iid_span_objective(dataset, sequence_length, output_features, noise_density, True)
 
 
-@seqio.map_over_dataset(num_seeds=1)
+@map_over_dataset_with_seed
 def _split_prefix(x, seed, max_inputs: int, max_targets: int, eos_id: int):
   tokens = x["targets"]
   length = tf.size(tokens)
@@ -314,7 +317,7 @@ def _split_prefix(x, seed, max_inputs: int, max_targets: int, eos_id: int):
 def prefix_lm(
   dataset: tf.data.Dataset,
   sequence_length: Mapping[str, int],
-  output_features: Mapping[str, seqio.Feature],
+  output_features: Mapping[str, Feature],
 ) -> tf.data.Dataset:
   """Prefix LM: inputs are a random-length prefix, targets the continuation.
 
@@ -341,7 +344,7 @@ def prefix_lm(
 def lm(
   dataset: tf.data.Dataset,
   sequence_length: Mapping[str, int],
-  output_features: Mapping[str, seqio.Feature],
+  output_features: Mapping[str, Feature],
 ) -> tf.data.Dataset:
   """Plain language modelling: targets are segments of targets - 1 tokens, with EOS.
 
@@ -358,6 +361,8 @@ def lm(
     A dataset of {'targets'} ending in EOS.
   """
   eos_id = _targets_vocabulary(output_features).eos_id
+  if eos_id is None:
+    raise ConfigError("lm: the 'targets' vocabulary has no EOS id to end each segment with")
   ds = concat_and_split(dataset, sequence_length["targets"] - 1)
   return ds.map(
     lambda x: {"targets": _append_eos(x["targets"], eos_id)}, num_parallel_calls=tf.data.AUTOTUNE
@@ -403,7 +408,7 @@ def unsupervised_preprocessors(objective: str, text_key: str = "text") -> list:
 
 def objective_features(
   objective: str, vocabulary: seqio.Vocabulary | None = None
-) -> dict[str, seqio.Feature]:
+) -> dict[str, Feature]:
   """A task's output features for `objective`: 'targets' alone for 'lm', else
   'inputs' and 'targets' (`preprocessors.text_to_text_features`)."""
   features = preprocessors.text_to_text_features(vocabulary)

@@ -58,6 +58,7 @@ from jax.sharding import Sharding
 from t5x_lite.nn import network
 from t5x_lite.data import preprocessors
 from t5x_lite.core.errors import ConfigError
+from t5x_lite.core.types import GIN_REQUIRED
 
 CHECKPOINT_MODES = ("iterator", "skip")
 # Examples per task that `truncation_report` measures by default.
@@ -356,7 +357,8 @@ def truncation_report(
     if config.split not in task.splits:
       continue
     dataset = preprocessed_examples(task, config.split, lengths, config.seed, trim=False)
-    features = [name for name in lengths if name in dataset.element_spec]
+    spec = dataset.element_spec  # {feature: TensorSpec}
+    features = [name for name in lengths if isinstance(spec, Mapping) and name in spec]
     sizes = dataset.take(num_examples).map(
       lambda x, features=features: {name: tf.size(x[name]) for name in features},
       num_parallel_calls=tf.data.AUTOTUNE,
@@ -551,11 +553,11 @@ def _rows_per_pass(
 
 @gin.configurable
 def steps_for_epochs(
-  epochs: float = gin.REQUIRED,
+  epochs: float = GIN_REQUIRED,
   *,
-  mixture_or_task_name: str = gin.REQUIRED,
-  task_feature_lengths: Mapping[str, int] = gin.REQUIRED,
-  batch_size: int = gin.REQUIRED,
+  mixture_or_task_name: str = GIN_REQUIRED,
+  task_feature_lengths: Mapping[str, int] = GIN_REQUIRED,
+  batch_size: int = GIN_REQUIRED,
   split: str = "train",
   pack: bool = True,
   architecture: str = "encoder_decoder",
@@ -641,4 +643,5 @@ def eval_batches(config: DatasetConfig, sharding: Sharding, num_batches: int) ->
   dataset = host_dataset(config, num_epochs=1, drop_remainder=False)
   local = dataset.take(num_batches).as_numpy_iterator()
   for _ in range(num_batches):
-    yield to_global(_zero_padded(next(local, None), rows, lengths), sharding)
+    # (TensorFlow's stubs have as_numpy_iterator yield arrays; here each batch is a dict.)
+    yield to_global(_zero_padded(next(local, None), rows, lengths), sharding)  # pyright: ignore[reportArgumentType]

@@ -7,14 +7,34 @@ dataset's features when the pipeline is built and raise `MissingFeatureError`
 deep in a tf.data trace. The unsupervised objectives are in `t5x_lite.data.objectives`.
 """
 
-from collections.abc import Mapping, Sequence
-from typing import Optional
+from collections.abc import Callable, Mapping, Sequence
+from typing import Optional, TypeAlias
 
 import seqio
 import tensorflow as tf
 
 from t5x_lite.data import vocab
 from t5x_lite.core.errors import ConfigError
+
+# A seqio.Feature. (seqio re-exports the class as a plain variable, which type checkers
+# refuse in annotations.)
+Feature: TypeAlias = seqio.utils.Feature
+# A function that maps each record of a dataset: `mapped(dataset, **kwargs)`.
+DatasetMap: TypeAlias = Callable[..., tf.data.Dataset]
+
+
+def map_over_dataset(fn: Callable[..., dict[str, tf.Tensor]]) -> DatasetMap:
+  """`seqio.map_over_dataset(fn)`, typed: `fn(record, **kwargs)` over each record.
+
+  seqio has no annotations, so type checkers would take the decorated function for `fn`.
+  """
+  return seqio.map_over_dataset(fn)  # pyright: ignore[reportReturnType]
+
+
+def map_over_dataset_with_seed(fn: Callable[..., dict[str, tf.Tensor]]) -> DatasetMap:
+  """`seqio.map_over_dataset(fn, num_seeds=1)`, typed: `fn(record, seed, **kwargs)`
+  over each record, seqio passing each record a stateless seed of its own."""
+  return seqio.map_over_dataset(fn, num_seeds=1)  # pyright: ignore[reportReturnType]
 
 
 class MissingFeatureError(ConfigError):
@@ -45,7 +65,8 @@ def require_features(dataset: tf.data.Dataset, names: Sequence[str], preprocesso
   Raises:
     MissingFeatureError: for the first name the records lack.
   """
-  available = list(dataset.element_spec)
+  spec = dataset.element_spec  # {feature: TensorSpec} for records that are dicts
+  available = list(spec) if isinstance(spec, Mapping) else []
   for name in names:
     if name not in available:
       raise MissingFeatureError(preprocessor, name, available)
@@ -61,12 +82,19 @@ def _label_text(
   if label.dtype == tf.string:
     if not label_names:
       return label
+    if not isinstance(label_names, Mapping):
+      raise ConfigError(
+        f"text_to_text: string labels map through label_names as a {{label: name}} dict, "
+        f"not the list {list(label_names)}"
+      )
     text = tf.constant("<unk>")
     for raw, name in label_names.items():
       text = tf.where(tf.equal(tf.strings.strip(label), raw), tf.constant(name), text)
     return text
   if label.dtype.is_floating:
     return tf.strings.as_string(tf.round(tf.cast(label, tf.float32) * 5) / 5, precision=1)
+  if label_names is None:
+    raise ConfigError("text_to_text: int labels need label_names, the class names in order")
   names = tf.constant(list(label_names))
   index = tf.cast(label, tf.int32)
   valid = (index >= 0) & (index < len(label_names))
@@ -121,7 +149,7 @@ def text_to_text(
   )
 
 
-@seqio.map_over_dataset
+@map_over_dataset
 def _format_text_to_text(
   x: Mapping[str, tf.Tensor],
   prefix: str,
@@ -158,7 +186,7 @@ def prefixed_pair(
   return _join_pair(dataset, prefix=prefix, source_key=source_key, target_key=target_key)
 
 
-@seqio.map_over_dataset
+@map_over_dataset
 def _join_pair(
   x: Mapping[str, tf.Tensor], prefix: str, source_key: str, target_key: str
 ) -> dict[str, tf.Tensor]:
@@ -185,7 +213,7 @@ def translate(
 
 def text_to_text_features(
   vocabulary: Optional[seqio.Vocabulary] = None,
-) -> dict[str, seqio.Feature]:
+) -> dict[str, Feature]:
   """Output features 'inputs' and 'targets', both with EOS.
 
   Args:

@@ -56,7 +56,7 @@ def read_squad_json(path: str) -> Columns:
       document = json.loads(f.read().removeprefix("\ufeff"))
     except json.JSONDecodeError as e:
       raise DataFileError(f"{path}:{e.lineno}: invalid JSON ({e.msg}).") from e
-  out: Columns = {name: [] for name in FEATURES}
+  out: dict[str, list[Any]] = {name: [] for name in FEATURES}  # answers: lists of strings
   for a, article in enumerate(_field(document, "data", list, path)):
     where = f"{path}: data[{a}]"
     title = article.get("title", "") if isinstance(article, dict) else ""

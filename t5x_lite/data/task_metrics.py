@@ -84,10 +84,10 @@ def accuracy(targets: Sequence[Any], predictions: Sequence[Any]) -> dict[str, fl
 
 def f1_with_invalid(targets: Sequence[int], predictions: Sequence[int]) -> dict[str, float]:
   """Binary F1 (positive class 1) where an invalid prediction counts as wrong."""
-  targets, predictions = np.asarray(targets), np.asarray(predictions)
-  invalid = (predictions != 0) & (predictions != 1)
-  predictions = np.where(invalid, 1 - targets, predictions)
-  return {"f1": 100.0 * float(sklearn.metrics.f1_score(targets, predictions))}
+  target_ids, predicted = np.asarray(targets), np.asarray(predictions)
+  invalid = (predicted != 0) & (predicted != 1)
+  predicted = np.where(invalid, 1 - target_ids, predicted)
+  return {"f1": 100.0 * float(sklearn.metrics.f1_score(target_ids, predicted))}
 
 
 def matthews_corrcoef(targets: Sequence[int], predictions: Sequence[int]) -> dict[str, float]:
@@ -99,11 +99,14 @@ def matthews_corrcoef(targets: Sequence[int], predictions: Sequence[int]) -> dic
 
 def pearson_spearman(targets: Sequence[float], predictions: Sequence[float]) -> dict[str, float]:
   """Pearson and Spearman correlations (STS-B), times 100; NaN predictions -> 0."""
-  predictions = np.nan_to_num(np.asarray(predictions, np.float64), nan=0.0)
-  targets = np.asarray(targets, np.float64)
+  predicted = np.nan_to_num(np.asarray(predictions, np.float64), nan=0.0)
+  expected = np.asarray(targets, np.float64)
+  # (scipy's result tuples have no item types, so float() of an item does not type-check.)
+  pearson = scipy.stats.pearsonr(expected, predicted)[0]
+  spearman = scipy.stats.spearmanr(expected, predicted)[0]
   return {
-    "pearson_corrcoef": 100.0 * float(scipy.stats.pearsonr(targets, predictions)[0]),
-    "spearman_corrcoef": 100.0 * float(scipy.stats.spearmanr(targets, predictions)[0]),
+    "pearson_corrcoef": 100.0 * float(pearson),  # pyright: ignore[reportArgumentType]
+    "spearman_corrcoef": 100.0 * float(spearman),  # pyright: ignore[reportArgumentType]
   }
 
 

@@ -134,7 +134,9 @@ def jsonl_field(field: str) -> Callable[[str], Iterator[str]]:
   """A reader of one JSON-lines field (a list of sentences is space-joined)."""
 
   def read(path: str) -> Iterator[str]:
-    yield from file_sources.read_jsonl(path, {"text": field})["text"]
+    for text in file_sources.read_jsonl(path, {"text": field})["text"]:
+      assert isinstance(text, str)  # a list is space-joined (the default list policy)
+      yield text
 
   return read
 
@@ -273,6 +275,7 @@ def corpus_vocabulary_path(
 
   def text() -> Iterator[str]:
     for document in source.records("train")["text"]:
+      assert isinstance(document, str)  # the source's documents are strings
       yield from _pieces_of(document)
     for _ in range(extra_repeats):
       for name in extra:

@@ -482,7 +482,7 @@ def params_to_hf_tensors(config: T5Config, params: Any) -> dict[str, np.ndarray]
     params = shared_encoder_decoder.expand(params)
   if config.scan_layers:
     params = _unstack_layers(params, config)
-  flat = flax.traverse_util.flatten_dict(params)
+  flat: dict[tuple[str, ...], Any] = flax.traverse_util.flatten_dict(params)
   specs = _param_specs(config)
   missing = sorted("/".join(s.path) for s in specs if s.path not in flat)
   unexpected = sorted("/".join(p) for p in flat.keys() - {s.path for s in specs})

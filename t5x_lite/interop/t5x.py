@@ -277,6 +277,7 @@ class _Param:
   def to_ours(self, x: np.ndarray, labels: tuple[str, ...], ours: tuple[str, ...]) -> np.ndarray:
     """A T5X array with axes `labels` -> this layer's slice in t5x_lite axes `ours`."""
     if "layers" in labels:
+      assert self.layer is not None  # a scanned parameter has its index on 'layers'
       x = np.take(x, self.layer, axis=labels.index("layers"))
       labels = tuple(a for a in labels if a != "layers")
     expanded = _expand(labels)
@@ -299,7 +300,8 @@ def _params_of(config: network.T5Config, scanned: bool) -> list[_Param]:
   )
   depth = {"encoder": config.num_encoder_layers, "decoder": config.num_decoder_layers}
   out = []
-  for path, leaf in traverse_util.flatten_dict(boxed, sep="/").items():
+  leaves: dict[str, Any] = traverse_util.flatten_dict(boxed, sep="/")  # nn.Partitioned
+  for path, leaf in leaves.items():
     ours = tuple(leaf.names)
     t5x = ours
     if _QKV.fullmatch(path):
@@ -437,12 +439,14 @@ def opt_state_from_t5x(
       two Adafactors factor differently, named.
   """
   state = jax.device_get(_the_factored_state(init_state))
-  slots = {name: traverse_util.flatten_dict(getattr(state, name), sep="/") for name in _SLOTS[:3]}
+  slots: dict[str, dict[str, Any]] = {
+    name: traverse_util.flatten_dict(getattr(state, name), sep="/") for name in _SLOTS[:3]
+  }
   for t5x_path, parts in _group(_params_of(config, is_scanned(param_states))).items():
-    got = {s: param_states.get(f"{t5x_path}/{s}") for s in _SLOTS}
-    if any(got[s] is None for s in _SLOTS[:3]):
+    got = {s: param_states[f"{t5x_path}/{s}"] for s in _SLOTS if f"{t5x_path}/{s}" in param_states}
+    if any(s not in got for s in _SLOTS[:3]):
       raise T5XCheckpointError(f"T5X optimizer state lacks v_row/v_col/v of {t5x_path!r}")
-    if got["m"] is not None and got["m"].shape != (1,):
+    if "m" in got and got["m"].shape != (1,):
       raise _cannot_carry(
         f"T5X's Adafactor has momentum ('m' of {t5x_path!r}); t5x_lite's carries second moments"
       )
@@ -483,7 +487,8 @@ def _with_counts(opt_state: Any, step: int) -> Any:
 
   def one(path: Any, leaf: Any) -> Any:
     last = path[-1] if path else None
-    if isinstance(last, jax.tree_util.GetAttrKey) and last.name == "count":
+    # (jaxlib's GetAttrKey has no stub, so isinstance does not narrow `last` for type checkers.)
+    if isinstance(last, jax.tree_util.GetAttrKey) and last.name == "count":  # pyright: ignore[reportOptionalMemberAccess]
       return np.asarray(step, np.asarray(leaf).dtype)
     return leaf
 
@@ -505,7 +510,9 @@ def opt_state_to_t5x(
     T5XCheckpointError: a parameter T5X's Adafactor would factor differently, named.
   """
   state = jax.device_get(_the_factored_state(opt_state))
-  slots = {name: traverse_util.flatten_dict(getattr(state, name), sep="/") for name in _SLOTS[:3]}
+  slots: dict[str, dict[str, Any]] = {
+    name: traverse_util.flatten_dict(getattr(state, name), sep="/") for name in _SLOTS[:3]
+  }
   out = _fresh(config, min_dim, scanned)
   for t5x_path, parts in _group(_params_of(config, scanned)).items():
     f = _t5x_factoring(parts[0], min_dim)
@@ -537,7 +544,7 @@ def _fresh(config: network.T5Config, min_dim: int, scanned: bool) -> Flat:
   for t5x_path, parts in _group(_params_of(config, scanned)).items():
     p = parts[0]
     f = _t5x_factoring(p, min_dim)
-    shapes = {"v_row": (1,), "v_col": (1,), "v": (1,), "m": (1,)}
+    shapes: dict[str, tuple[int, ...]] = {"v_row": (1,), "v_col": (1,), "v": (1,), "m": (1,)}
     if f.factored:
       shapes.update({slot: p.shape_of(labels) for slot, labels in _kept(p.t5x, f).items()})
     else:

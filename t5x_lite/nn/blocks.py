@@ -215,7 +215,8 @@ def apply_layers(
       layer_cls,
       variable_axes={'params': 0, 'cache': 1},
       split_rngs={'params': True, 'dropout': True},
-      in_axes=(nn.broadcast,) * len(args),
+      # (flax leaves in_axes unannotated, so its default 0 types it as int.)
+      in_axes=(nn.broadcast,) * len(args),  # pyright: ignore[reportArgumentType]
       length=num_layers,
       metadata_params={nn.PARTITION_NAME: 'layers'},
     )

@@ -98,7 +98,7 @@ class DecoderOnlyTransformer(nn.Module):
 def init_params(config: T5Config, rng: Array) -> PyTree:
   """Boxed initial params of `DecoderOnlyTransformer(config)` (`nn.LogicallyPartitioned` leaves)."""
   tokens = jnp.ones((1, 1), jnp.int32)  # [batch, length]
-  variables = DecoderOnlyTransformer(config).init(
+  variables = DecoderOnlyTransformer(config=config).init(
     {'params': rng, 'dropout': rng}, tokens, tokens, enable_dropout=False
   )
   return variables['params']

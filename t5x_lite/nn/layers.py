@@ -425,14 +425,11 @@ def make_causal_mask(length: int) -> Array:
   return (idx[None, :] <= idx[:, None])[None, None]  # [1, 1, q, k]
 
 
-def combine_masks(*masks: Array | None) -> Array | None:
+def combine_masks(mask: Array, *masks: Array | None) -> Array:
   """Logical AND of the given (broadcastable) boolean masks; None entries are skipped."""
-  present = [m for m in masks if m is not None]
-  if not present:
-    return None
-  mask = present[0]
-  for other in present[1:]:
-    mask = jnp.logical_and(mask, other)
+  for other in masks:
+    if other is not None:
+      mask = jnp.logical_and(mask, other)
   return mask
 
 

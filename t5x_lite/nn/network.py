@@ -567,7 +567,7 @@ def init_params(config: T5Config, rng: Array) -> PyTree:
   No parameter depends on sequence lengths, so one-token inputs initialise them all.
   """
   tokens = jnp.ones((1, 1), jnp.int32)  # [batch, length]
-  variables = Transformer(config).init(
+  variables = Transformer(config=config).init(
     {"params": rng, "dropout": rng}, tokens, tokens, tokens, enable_dropout=False
   )
   return variables["params"]

@@ -97,7 +97,7 @@ Same attributes and methods (`encode`, `decode`, `__call__`); its params are
 def init_params(config: T5Config, rng: Array) -> PyTree:
   """Boxed initial params of `SharedTransformer(config)` (`nn.LogicallyPartitioned` leaves)."""
   tokens = jnp.ones((1, 1), jnp.int32)  # [batch, length]
-  variables = SharedTransformer(config).init(
+  variables = SharedTransformer(config=config).init(
     {'params': rng, 'dropout': rng}, tokens, tokens, tokens, enable_dropout=False
   )
   return variables['params']

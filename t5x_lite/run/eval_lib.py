@@ -35,7 +35,7 @@ import json
 import os
 import re
 import time
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 import gin
@@ -66,7 +66,7 @@ from t5x_lite.core.errors import (
   WriteError,
 )
 from t5x_lite.core.paths import absolute_path, not_a_directory, not_writable
-from t5x_lite.core.types import PyTree
+from t5x_lite.core.types import GIN_REQUIRED, PyTree
 
 STEP_FILE = "metrics_step_{step}.json"
 
@@ -215,7 +215,7 @@ def _next_ready_step(checkpoint_path: str, exclude: Collection[int]) -> int:
 
 def _watch(
   checkpoint_path: str,
-  done: Sequence[int],
+  done: Collection[int],
   evaluate: Callable[[int, epath.Path], Metrics | None],
   final_step: int | None,
   timeout_s: float,
@@ -266,9 +266,9 @@ def _check_output_dir(output_dir: str, mixture_or_task_name: str) -> None:
 @gin.configurable
 def evaluate_checkpoints(
   *,
-  checkpoint_path: str = gin.REQUIRED,
-  output_dir: str = gin.REQUIRED,
-  dataset_cfg: pipeline.DatasetConfig = gin.REQUIRED,
+  checkpoint_path: str = GIN_REQUIRED,
+  output_dir: str = GIN_REQUIRED,
+  dataset_cfg: pipeline.DatasetConfig = GIN_REQUIRED,
   decode: model_runner.DecodeConfig,
   num_examples: int | None,
   watch: bool,
@@ -335,7 +335,7 @@ def evaluate_checkpoints(
 # ------------------------------------------------------------------ during training
 
 
-@gin.configurable(
+@gin.configurable(  # pyright: ignore[reportCallIssue]  # gin is untyped
   denylist=[
     "model",
     "partitioner",
@@ -378,11 +378,13 @@ def training_evaluator(
   Raises:
     ConfigError: without any data to evaluate.
   """
-  if dataset_cfg is None and eval_dataset_cfg is None:
-    raise ConfigError(
-      "train.infer_eval_period needs train.eval_dataset_cfg or training_evaluator.dataset_cfg."
-    )
-  cfg = dataset_cfg or dataclasses.replace(eval_dataset_cfg, shuffle=False, pack=False)
+  cfg = dataset_cfg
+  if cfg is None:
+    if eval_dataset_cfg is None:
+      raise ConfigError(
+        "train.infer_eval_period needs train.eval_dataset_cfg or training_evaluator.dataset_cfg."
+      )
+    cfg = dataclasses.replace(eval_dataset_cfg, shuffle=False, pack=False)
   cfg = pipeline.for_model(cfg, model.network_config)
   runner = model_runner.ModelRunner(
     model, partitioner, param_shardings, decode or model_runner.DecodeConfig(), cfg.batch_size

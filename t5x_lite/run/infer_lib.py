@@ -51,6 +51,7 @@ from t5x_lite.training import partitioning
 from t5x_lite.run import model_runner
 from t5x_lite.core.paths import not_a_directory, not_writable, shown
 from t5x_lite.core.errors import ConfigError, WriteError
+from t5x_lite.core.types import GIN_REQUIRED
 
 MODES = ("predict", "score")
 
@@ -103,7 +104,8 @@ def read_input_file(path: str) -> tuple[list[str], list[str] | None]:
       )
   else:
     raise file_sources.DataFileError(f"{path}: expected a .jsonl or .tsv input file.")
-  return columns["inputs"], columns.get("targets")
+  # Strings only: read_jsonl joins lists unless a field's list policy is 'all'.
+  return columns["inputs"], columns.get("targets")  # pyright: ignore[reportReturnType]
 
 
 def encode_text(vocabulary: seqio.Vocabulary, text: str, length: int) -> np.ndarray:
@@ -340,9 +342,9 @@ def _check_inputs(examples: Sequence[Example], mode: str, source: str) -> None:
 @gin.configurable
 def infer(
   *,
-  checkpoint_path: str = gin.REQUIRED,
-  output_file: str = gin.REQUIRED,
-  task_feature_lengths: Mapping[str, int] = gin.REQUIRED,
+  checkpoint_path: str = GIN_REQUIRED,
+  output_file: str = GIN_REQUIRED,
+  task_feature_lengths: Mapping[str, int] = GIN_REQUIRED,
   input_file: str | None,
   mixture_or_task_name: str | None,
   split: str,
@@ -386,6 +388,7 @@ def infer(
   if input_file is not None:
     examples, source = file_examples(input_file, model, task_feature_lengths), input_file
   else:
+    assert mixture_or_task_name is not None  # exactly one of the two is set (checked above)
     examples = task_examples(mixture_or_task_name, split, task_feature_lengths)
     source = f"{mixture_or_task_name}:{split}"
   _check_inputs(examples, mode, source)

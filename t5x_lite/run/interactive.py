@@ -205,7 +205,7 @@ class InteractiveModel:
       longest = max(len(ex.input_ids) for ex in examples)
       lengths["inputs"] = model_runner.bucket(longest, self.lengths["inputs"])
     if cut_targets:
-      longest = max(len(ex.target_ids) for ex in examples)
+      longest = max(0 if ex.target_ids is None else len(ex.target_ids) for ex in examples)
       lengths["targets"] = model_runner.bucket(longest, self.lengths["targets"])
     batch = infer_lib.make_batch(examples, lengths, self.model.network_config.architecture)
     rows = model_runner.row_bucket(
@@ -288,7 +288,9 @@ class InteractiveModel:
       if (key, options) not in self._evaluators:
         cfg = pipeline.DatasetConfig(
           mixture_or_task_name=task_name,
-          task_feature_lengths=lengths,
+          # None: TaskEvaluator reads whole examples (DatasetConfig's type names training's
+          # lengths only).
+          task_feature_lengths=lengths,  # pyright: ignore[reportArgumentType]
           batch_size=self.batch_size,
           split=split,
           shuffle=False,

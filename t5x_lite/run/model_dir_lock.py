@@ -127,7 +127,9 @@ class ModelDirLock:
         os.close(fd)
         raise
       self._fd = fd
-    self._heartbeat = threading.Thread(target=self._beat, name="model-dir-lock", daemon=True)
+    self._heartbeat = threading.Thread(
+      target=self._beat, args=(self._fd,), name="model-dir-lock", daemon=True
+    )
     self._heartbeat.start()
 
   def release(self) -> None:
@@ -200,11 +202,11 @@ class ModelDirLock:
       "Wait for that run to end or stop it, or give this run another MODEL_DIR."
     )
 
-  def _beat(self) -> None:
-    """Refreshes the lock file's modification time until released."""
+  def _beat(self, fd: int) -> None:
+    """Refreshes the lock file's (open as `fd`) modification time until released."""
     while not self._stop.wait(HEARTBEAT_S):
       try:
-        os.utime(self._fd)
+        os.utime(fd)
       except OSError as e:  # a full or lost disk: the run itself reports it
         if e.errno not in (errno.ENOSPC, errno.EIO, errno.EROFS):
           logging.warning("Cannot refresh the lock file %s: %s", self.path, e.strerror)

@@ -175,7 +175,7 @@ class ModelRunner:
       )
     padded = pad_rows({k: v for k, v in batch.items() if k in FEATURES}, padded_rows)
     sharding = self.partitioner.batch_sharding
-    placed = {
+    placed: dict[str, jax.Array] = {
       k: jax.make_array_from_callback(v.shape, sharding, lambda i, v=v: v[i])
       for k, v in padded.items()
     }

@@ -41,6 +41,7 @@ from t5x_lite.data import pipeline
 from t5x_lite.training import optimizers, partitioning, throughput, trainer
 from t5x_lite.run import train_lib
 from t5x_lite.core.errors import UserError
+from t5x_lite.core.types import Device
 
 INSTALL_HINT = "pip install -e '.[tpu]'"
 GIB = 2**30
@@ -78,7 +79,9 @@ class TpuGeneration:
   @property
   def peak_flops(self) -> float:
     """Peak bfloat16 matmul FLOP/s per chip (`throughput.PEAK_BF16_FLOPS`)."""
-    return throughput.table_peak_flops(f"TPU {self.name}")
+    peak = throughput.table_peak_flops(f"TPU {self.name}")
+    assert peak is not None, f"TPU {self.name} is missing from throughput.PEAK_BF16_FLOPS"
+    return peak
 
 
 _SLICES_2D = ("1x1", "2x2", "2x4", "4x4", "4x8", "8x8", "8x16", "16x16")
@@ -146,7 +149,7 @@ def require_libtpu() -> None:
     )
 
 
-def topology_devices(name: str) -> list[jax.Device]:
+def topology_devices(name: str) -> list[Device]:
   """Compile-only devices (one per chip) of the slice `name`.
 
   Raises:
@@ -176,7 +179,7 @@ def topology_devices(name: str) -> list[jax.Device]:
 
 
 def slice_partitioner(
-  devices: list[jax.Device], name: str, num_partitions: int, fsdp: bool
+  devices: list[Device], name: str, num_partitions: int, fsdp: bool
 ) -> partitioning.Partitioner:
   """The training partitioner over the slice's chips.
 
@@ -218,6 +221,7 @@ class MemoryUse:
   def from_compiled(cls, compiled: jax.stages.Compiled) -> MemoryUse:
     """Reads a compiled step's memory analysis."""
     stats = compiled.memory_analysis()
+    assert stats is not None, "XLA gave no memory analysis for the compiled step"
     return cls(
       arguments=stats.argument_size_in_bytes,
       outputs=stats.output_size_in_bytes,
@@ -337,13 +341,13 @@ class PrecompileReport:
       out.append(f"FLOPs per step: model matmuls {self.model_flops_per_step:.4g}")
     if self.loops_counted_once:
       out.append("Roofline: not projected; XLA counts a loop body's bytes once")
-    seconds = self.roofline_seconds
-    if seconds is not None:
+    seconds, mfu, traffic = self.roofline_seconds, self.projected_mfu, self.xla_bytes_per_chip
+    if seconds is not None and mfu is not None and traffic is not None:
       gen = self.generation
       out.append(
-        f"Roofline: {self.xla_bytes_per_chip / 1e9:.4g} GB accessed per chip; at "
+        f"Roofline: {traffic / 1e9:.4g} GB accessed per chip; at "
         f"{gen.peak_flops / 1e12:g} TFLOP/s and {gen.hbm_gbps:g} GB/s per {gen.name} chip a step "
-        f"takes at least {1e3 * seconds:.3g} ms, MFU at most {100 * self.projected_mfu:.3g}%"
+        f"takes at least {1e3 * seconds:.3g} ms, MFU at most {100 * mfu:.3g}%"
       )
     out.append(self.basis())
     out.append("FITS" if self.fits else "DOES NOT FIT")
@@ -410,8 +414,12 @@ def _xla_costs(compiled: jax.stages.Compiled) -> tuple[float | None, float | Non
   costs = compiled.cost_analysis()
   if isinstance(costs, (list, tuple)):
     costs = costs[0] if costs else {}
-  values = [(costs or {}).get(key) for key in ("flops", "bytes accessed")]
-  return tuple(float(v) if v is not None and v >= 0 else None for v in values)
+
+  def non_negative(key: str) -> float | None:
+    value = (costs or {}).get(key)
+    return float(value) if value is not None and value >= 0 else None
+
+  return non_negative("flops"), non_negative("bytes accessed")
 
 
 def precompile_train_step(
@@ -505,7 +513,9 @@ def run(topology: str | None) -> int:
     )
   parse_topology(topology)
   require_libtpu()
-  if not jax.config.jax_platforms:  # host work (shape inference) stays on the CPU
+  # Host work (shape inference) stays on the CPU. (jax.config's options are attributes it
+  # sets at run time, unknown to type checkers.)
+  if not jax.config.jax_platforms:  # pyright: ignore[reportAttributeAccessIssue]
     jax.config.update("jax_platforms", "cpu")
   args = bound_arguments(train_lib.train)
   partitioner_args = bound_arguments(partitioning.Partitioner)

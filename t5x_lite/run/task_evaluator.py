@@ -102,8 +102,9 @@ class PredictionsJsonlLogger(seqio.Logger):
     columns = {k: v for k, v in inferences.items() if k != "aux_value"}
     with open(path, "w", encoding="utf-8") as f:
       for i, example in enumerate(dataset.as_numpy_iterator()):
+        # (TensorFlow's stubs have as_numpy_iterator yield arrays; here each is a dict.)
         record = {
-          name: _jsonable(example.get(f"{name}_pretokenized", example.get(name)))
+          name: _jsonable(example.get(f"{name}_pretokenized", example.get(name)))  # pyright: ignore[reportAttributeAccessIssue]
           for name in ("inputs", "targets")
           if name in example
         }
@@ -334,9 +335,11 @@ class TaskEvaluator:
     future, _ = self.seqio.evaluate(
       compute_metrics=True,
       step=step,
-      predict_fn=lambda ds, *_: self._predict(params, ds),
-      predict_with_aux_fn=lambda ds, *_: self._predict(params, ds, with_aux=True),
-      score_fn=lambda ds, *_: self._score(params, ds),
+      predict_fn=lambda dataset, model_feature_shapes=None: self._predict(params, dataset),
+      predict_with_aux_fn=lambda dataset, model_feature_shapes=None: self._predict(
+        params, dataset, with_aux=True
+      ),
+      score_fn=lambda dataset, model_feature_shapes=None: self._score(params, dataset),
     )
     results = {task: _floats(metrics) for task, metrics in (future.result() or {}).items()}
     for task in self.loss_tasks:

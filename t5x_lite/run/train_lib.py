@@ -60,6 +60,7 @@ from t5x_lite.training import (
 )
 from t5x_lite.run import eval_lib, model_dir_lock, train_checks
 from t5x_lite.core.errors import ConfigError, UserError
+from t5x_lite.core.types import GIN_REQUIRED
 
 CONFIG_FILE = "config.gin"
 FINAL_METRICS_FILE = "final_metrics.json"
@@ -452,13 +453,13 @@ class _Loop:
     threading.Thread(target=doomed.clear, name="release-train-iterator", daemon=True).start()
 
 
-@gin.configurable(denylist=["stop"])
+@gin.configurable(denylist=["stop"])  # pyright: ignore[reportCallIssue]  # gin is untyped
 def train(
   *,
-  model_dir: str = gin.REQUIRED,
-  total_steps: int = gin.REQUIRED,
-  train_dataset_cfg: pipeline.DatasetConfig = gin.REQUIRED,
-  optimizer: optimizers.Optimizer = gin.REQUIRED,
+  model_dir: str = GIN_REQUIRED,
+  total_steps: int = GIN_REQUIRED,
+  train_dataset_cfg: pipeline.DatasetConfig = GIN_REQUIRED,
+  optimizer: optimizers.Optimizer = GIN_REQUIRED,
   model: base_model.BaseModel | None = None,
   eval_dataset_cfg: pipeline.DatasetConfig | None = None,
   eval_period: int = 0,

@@ -31,6 +31,7 @@ import gin
 import jax
 
 from t5x_lite.core.errors import ConfigError
+from t5x_lite.core.types import GIN_REQUIRED
 
 BEST_FILE = "best.json"
 MODES = ("max", "min")
@@ -50,7 +51,7 @@ class EarlyStopping:
     min_delta: an improvement must exceed this much.
   """
 
-  metric: str = gin.REQUIRED
+  metric: str = GIN_REQUIRED
   mode: str = "max"
   patience: int = 3
   min_delta: float = 0.0

@@ -75,7 +75,7 @@ def factoring(
         f"Adafactor has no factor rule for logical axis {unknown[0]!r} (of a parameter "
         f"shaped {shape}); known axes: {sorted(rules)}."
       )
-    kinds = [rules[name] for name in axes]
+    kinds = [rules[name] for name in axes if name is not None]  # none is None: checked above
     batch = tuple(d for d in everything if kinds[d] == BATCH)
     if ndim > 2 or batch:
       rows = tuple(d for d in everything if kinds[d] == ROW)
@@ -198,4 +198,5 @@ def scale_by_factored_rms(
     updates, v_row, v_col, v = (treedef.unflatten(list(r)) for r in zip(*results))
     return updates, FactoredRmsState(state.count + 1, v_row, v_col, v)
 
-  return optax.GradientTransformation(init, update)
+  # (optax's protocol takes any OptState as the state, so no update fn types its own.)
+  return optax.GradientTransformation(init, update)  # pyright: ignore[reportArgumentType]

@@ -122,6 +122,7 @@ class MetricsLogger:
     self._writers[split].write_scalars(step, scalars)
     record = {"step": step, "split": split, "time": time.time()}
     record.update({k: (v if math.isfinite(v) else str(v)) for k, v in scalars.items()})
+    assert self._jsonl is not None  # opened on the primary process
     self._jsonl.write(json.dumps(record) + "\n")
     self._jsonl.flush()
 

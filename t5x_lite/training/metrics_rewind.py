@@ -34,6 +34,7 @@ def _replace(path: str, lines: Sequence[bytes] | None, records: Sequence[bytes] 
       f.flush()
       os.fsync(f.fileno())
   else:
+    assert records is not None  # one of the two
     with tf.io.TFRecordWriter(temporary) as writer:
       for record in records:
         writer.write(record)

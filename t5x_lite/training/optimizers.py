@@ -31,15 +31,17 @@ O(rows + cols) per matrix, negligible next to the parameters.
 import dataclasses
 import re
 from collections.abc import Mapping, Sequence
-from typing import Any, Callable, Union
+from typing import Any, Callable, TypeAlias
 
 import gin
 import jax
 import jax.numpy as jnp
+from jax.typing import ArrayLike
 import numpy as np
 import optax
 
 from t5x_lite.core.errors import ConfigError
+from t5x_lite.core.types import GIN_REQUIRED
 from t5x_lite.training.factored_moments import (
   FACTOR_RULES,
   Factoring,
@@ -47,8 +49,9 @@ from t5x_lite.training.factored_moments import (
   scale_by_factored_rms,
 )
 
-Schedule = Callable[[jax.Array], jax.Array]
-ScalarOrSchedule = Union[float, Schedule]
+# optax's: a step -> learning rate function; a learning rate or such a function.
+Schedule: TypeAlias = optax.Schedule
+ScalarOrSchedule: TypeAlias = optax.ScalarOrSchedule
 
 
 @dataclasses.dataclass(frozen=True)
@@ -202,7 +205,9 @@ def unfreeze_top_down(every_steps: int) -> optax.GradientTransformation:
 
   def update(updates: Any, state: optax.ScaleByScheduleState, params: Any = None):
     del params
-    unfrozen = 1 + state.count // every_steps  # blocks per stack, from the top
+    # Blocks per stack, from the top. (optax types count as any ArrayLike, complex
+    # included, which has no //.)
+    unfrozen = 1 + state.count // every_steps  # pyright: ignore[reportOperatorIssue]
     paths = [param_path(p) for p, _ in jax.tree_util.tree_flatten_with_path(updates)[0]]
     depth: dict[str, int] = {}
     for path in paths:
@@ -224,7 +229,8 @@ def unfreeze_top_down(every_steps: int) -> optax.GradientTransformation:
     masked = jax.tree_util.tree_map_with_path(mask, updates)
     return masked, optax.ScaleByScheduleState(count=state.count + 1)
 
-  return optax.GradientTransformation(init, update)
+  # (optax's protocol takes any OptState as the state, so no update fn types its own.)
+  return optax.GradientTransformation(init, update)  # pyright: ignore[reportArgumentType]
 
 
 def _as_schedule(learning_rate: ScalarOrSchedule) -> Schedule:
@@ -255,7 +261,7 @@ def rsqrt_with_warmup(base: float = 1.0, warmup_steps: int = 10000) -> Schedule:
     A schedule step -> learning rate.
   """
 
-  def schedule(step: jax.Array) -> jax.Array:
+  def schedule(step: ArrayLike) -> jax.Array:
     step = jnp.asarray(step, jnp.float32)
     return base / jnp.sqrt(jnp.maximum(step, float(warmup_steps)))
 
@@ -279,7 +285,7 @@ def constant(value: float = 1e-3) -> Schedule:
 def warmup_cosine(
   peak_value: float = 1e-3,
   warmup_steps: int = 1000,
-  decay_steps: int = gin.REQUIRED,
+  decay_steps: int = GIN_REQUIRED,
   init_value: float = 0.0,
   end_value: float = 0.0,
 ) -> Schedule:
@@ -314,7 +320,7 @@ def warmup_cosine(
 
 @gin.configurable
 def adafactor(
-  learning_rate: ScalarOrSchedule = gin.REQUIRED,
+  learning_rate: ScalarOrSchedule = GIN_REQUIRED,
   min_dim_size_to_factor: int = 128,
   decay_rate: float = 0.8,
   decay_offset: int = 0,
@@ -386,7 +392,7 @@ def adafactor(
 
 @gin.configurable
 def adamw(
-  learning_rate: ScalarOrSchedule = gin.REQUIRED,
+  learning_rate: ScalarOrSchedule = GIN_REQUIRED,
   b1: float = 0.9,
   b2: float = 0.999,
   eps: float = 1e-8,

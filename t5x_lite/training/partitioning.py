@@ -40,6 +40,7 @@ from jax.experimental import mesh_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from t5x_lite.core.errors import ConfigError
+from t5x_lite.core.types import Device
 from t5x_lite.nn import layers
 
 LogicalRules = tuple[tuple[str, str | None], ...]
@@ -50,7 +51,7 @@ def create_mesh(
   num_partitions: int = 1,
   data: int | None = None,
   model: int | None = None,
-  devices: Sequence[jax.Device] | None = None,
+  devices: Sequence[Device] | None = None,
 ) -> Mesh:
   """Builds a ('data', 'model') mesh over `devices` (default: all devices).
 
@@ -105,6 +106,7 @@ def _leaf_sharding(leaf: Any, mesh: Mesh, rules: LogicalRules) -> NamedSharding:
   """NamedSharding of one leaf: from its logical names if boxed, else replicated."""
   if isinstance(leaf, meta.Partitioned):
     spec = nn.logical_to_mesh_axes(leaf.names, rules)
+    assert spec is not None  # None only for names=None, which a Partitioned leaf never has
     return NamedSharding(mesh, spec)
   return NamedSharding(mesh, PartitionSpec())
 
@@ -170,7 +172,7 @@ class Partitioner:
     num_partitions: int = 1,
     fsdp: bool = False,
     *,
-    devices: Sequence[jax.Device] | None = None,
+    devices: Sequence[Device] | None = None,
   ):
     """Builds the mesh over `devices`.
 

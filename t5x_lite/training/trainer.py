@@ -120,14 +120,15 @@ def abstract_train_state(
   optimizer = optimizer.with_param_axes(model.param_axes())
   opt_state = jax.eval_shape(optimizer.init, params)
   aux_state, aux_shardings = partitioner.abstract_params(model.init_aux_state)
+  # Trees shaped like TrainState: of shardings, and of abstract values.
   shardings = TrainState(
-    step=partitioner.replicated,
+    step=partitioner.replicated,  # pyright: ignore[reportArgumentType]
     params=param_shardings,
     opt_state=opt_state_shardings(opt_state, params, param_shardings, partitioner.mesh),
     aux_state=aux_shardings,
   )
   shapes = TrainState(
-    step=jax.ShapeDtypeStruct((), jnp.int32),
+    step=jax.ShapeDtypeStruct((), jnp.int32),  # pyright: ignore[reportArgumentType]
     params=params,
     opt_state=opt_state,
     aux_state=aux_state,
