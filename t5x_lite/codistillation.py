@@ -197,4 +197,4 @@ def build_codistillation_model(
   distillation.check_settings("build_codistillation_model", alpha, temperature)
   model = distillation.build_student(config, vocabulary)
   logging.info("Co-distillation of two models, alpha %g, T %g", alpha, temperature)
-  return CoDistillationModel(model, alpha=alpha, temperature=temperature)
+  return CoDistillationModel(model=model, alpha=alpha, temperature=temperature)

@@ -240,8 +240,8 @@ def build_multi_teacher_distillation_model(
     temperature,
   )
   return MultiTeacherDistillationModel(
-    student,
-    [teacher for _, teacher in loaded],
+    student=student,
+    teachers=[teacher for _, teacher in loaded],
     teacher_checkpoints=step_dirs,
     weights=weights,
     alpha=alpha,
@@ -276,4 +276,6 @@ def build_self_distillation_model(
     raise ConfigError(f"{binding}.ema_decay must be in [0, 1], got {ema_decay}.")
   student = distillation.build_student(config, vocabulary)
   logging.info("Self-distillation: EMA decay %g, alpha %g, T %g", ema_decay, alpha, temperature)
-  return SelfDistillationModel(student, ema_decay=ema_decay, alpha=alpha, temperature=temperature)
+  return SelfDistillationModel(
+    student=student, ema_decay=ema_decay, alpha=alpha, temperature=temperature
+  )
