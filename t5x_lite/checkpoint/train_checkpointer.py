@@ -196,6 +196,13 @@ class TrainCheckpointer:
     self._manager = ocp.CheckpointManager(
       self.directory, options=options, handler_registry=registry
     )
+    # orbax removes a killed run's unfinished temporary directories in a thread of its
+    # own and waits for it only before a save; waiting here leaves no such thread
+    # running when a run stops before its first save (a bad data file) and the
+    # interpreter shuts down under it ("cannot schedule new futures after shutdown").
+    await_cleanup = getattr(self._manager, "_maybe_await_cleanup_tmp_directory", None)
+    if await_cleanup is not None:
+      await_cleanup()
     self._unmanifested: int | None = None
     self._corrupt: list[int] = []  # found by `restore_latest`, not yet moved aside
     self._failed = False  # a save failed: nothing more is written or waited for
