@@ -288,6 +288,42 @@ class ElectraModel(base_model.BaseModel):
     corrupted = jnp.where(masked, samples.astype(original.dtype), original)
     return masked, mlm_logits, corrupted
 
+  def _discriminate(
+    self, params: PyTree, batch: Batch, corrupted: jax.Array, dropout_rng: jax.Array | None
+  ) -> tuple[jax.Array, jax.Array]:
+    """The T5 network on the corrupted inputs [batch, input_len].
+
+    Returns:
+      (RTD logits [batch, input_len], the decoder's logits [batch, target_len, vocab]).
+    """
+    module, enable_dropout = self.discriminator.module, dropout_rng is not None
+    variables = {"params": self.discriminator_params(params)}
+    rngs = {"dropout": dropout_rng} if enable_dropout else None
+    encoded = module.apply(
+      variables,
+      corrupted,
+      encoder_segment_ids=batch.get("encoder_segment_ids"),
+      encoder_positions=batch.get("encoder_positions"),
+      enable_dropout=enable_dropout,
+      method="encode",
+      rngs=rngs,
+    )  # [batch, input_len, embed]
+    rtd_logits = self.heads.apply(self._heads(params), encoded, method="rtd_logits")
+    logits = module.apply(
+      variables,
+      encoded,
+      corrupted,
+      batch["decoder_input_tokens"],
+      batch["decoder_target_tokens"],
+      batch.get("encoder_segment_ids"),
+      batch.get("decoder_segment_ids"),
+      batch.get("decoder_positions"),
+      enable_dropout,
+      method="decode",
+      rngs=rngs,
+    )  # [batch, target_len, vocab]
+    return rtd_logits, logits
+
   def loss_fn(
     self,
     params: PyTree,
@@ -315,38 +351,11 @@ class ElectraModel(base_model.BaseModel):
     mlm_ce, _ = losses.cross_entropy_with_integer_labels(mlm_logits, original, 1.0, 0.0, 0.0)
     mlm = jnp.sum(mlm_ce * masked) / (factor * self.mask_rate)
 
-    disc = self.discriminator
-    variables = {"params": self.discriminator_params(params)}
-    enable_dropout = discriminator_rng is not None
-    rngs = {"dropout": discriminator_rng} if enable_dropout else None
-    encoded = disc.module.apply(
-      variables,
-      corrupted,
-      encoder_segment_ids=batch.get("encoder_segment_ids"),
-      encoder_positions=batch.get("encoder_positions"),
-      enable_dropout=enable_dropout,
-      method="encode",
-      rngs=rngs,
-    )  # [batch, input_len, embed]
-    rtd_logits = self.heads.apply(self._heads(params), encoded, method="rtd_logits")
+    rtd_logits, logits = self._discriminate(params, batch, corrupted, discriminator_rng)
     replaced = rtd_labels(corrupted, original)  # [batch, input_len]
     inputs = (original > 0).astype(jnp.float32)
-    rtd_bce = sigmoid_bce(rtd_logits, replaced)  # [batch, input_len]
-    rtd = jnp.sum(rtd_bce * inputs) / factor
-
-    logits = disc.module.apply(
-      variables,
-      encoded,
-      corrupted,
-      batch["decoder_input_tokens"],
-      batch["decoder_target_tokens"],
-      batch.get("encoder_segment_ids"),
-      batch.get("decoder_segment_ids"),
-      batch.get("decoder_positions"),
-      enable_dropout,
-      method="decode",
-      rngs=rngs,
-    )  # [batch, target_len, vocab]
+    rtd = jnp.sum(sigmoid_bce(rtd_logits, replaced) * inputs) / factor
+    disc = self.discriminator
     clm, z_loss = disc.cross_entropy(logits, batch, weights, factor)
     terms = {"electra_mlm": mlm, "electra_rtd": rtd, "electra_clm": clm}
     loss = sum(self.weights[name] * value for name, value in terms.items())
