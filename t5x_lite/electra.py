@@ -167,13 +167,13 @@ def generator_config(
   config: network.T5Config, width_fraction: float, num_layers: int | None
 ) -> network.T5Config:
   """The generator's config: the discriminator's encoder, `width_fraction` as wide
-  (embedding, heads and MLP scaled alike, head_dim kept) and `num_layers` deep
-  (default: as deep as the discriminator's encoder)."""
-  heads = max(1, round(config.num_heads * width_fraction))
+  (embedding, attention and MLP widths scaled alike) and `num_layers` deep (default: as
+  deep as the discriminator's encoder). The heads get narrower, not fewer, so the
+  generator's 'heads' axis shards over the mesh wherever the discriminator's does."""
   return dataclasses.replace(
     config,
     emb_dim=max(1, round(config.emb_dim * width_fraction)),
-    num_heads=heads,
+    head_dim=max(1, round(config.head_dim * width_fraction)),
     mlp_dim=max(1, round(config.mlp_dim * width_fraction)),
     num_encoder_layers=config.num_encoder_layers if num_layers is None else num_layers,
     num_decoder_layers=0,

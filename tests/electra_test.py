@@ -40,7 +40,7 @@ def _model(mask_rate=0.3, mlm_weight=1.0, rtd_weight=50.0, clm_weight=1.0, confi
   )
   return electra.ElectraModel(
     discriminator,
-    electra.generator_config(config, 0.5, None),
+    electra.generator_config(config, 0.25, None),
     mask_rate=mask_rate,
     mask_id=VOCAB.vocab_size - 1,
     mlm_weight=mlm_weight,
