@@ -40,7 +40,7 @@ same objective, deterministic; scores and predictions are the discriminator's.
 The features are seqio's encoder-decoder ones, inputs and targets both the text
 (`objectives.electra_text`, the `cpython_electra` task); masking happens in the graph.
 
-  python -m t5x_lite.train --gin_file=runs/electra.gin
+  python -m t5x_lite.train --gin_file=quickstart_electra.gin   # or add runs/electra.gin
 """
 
 from __future__ import annotations
@@ -63,7 +63,6 @@ if TYPE_CHECKING:
   import seqio
 
 Batch = Mapping[str, jax.Array]
-GENERATOR, RTD_HEAD = checkpoints.PRETRAINING_ONLY_PARAMS
 # Masking and sampling key of evaluation (no dropout RNG): the eval loss is deterministic.
 _EVAL_KEY = 0
 _METRICS = ("electra_mlm", "electra_rtd", "electra_clm")
