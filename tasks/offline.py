@@ -6,6 +6,9 @@
     cpython_lm               plain language modelling (targets only): the decoder-only
                              quickstart's task
     cpython_prefix_lm        the prefix LM objective: the prefix LM quickstart's task
+  cpython_electra            the same prose, uncorrupted, as inputs and targets
+                             (`objectives.electra_text`): t5x_lite.electra's
+                             pre-training task (gin/runs/electra.gin)
   cpython_code_to_docstring  "summarize python: <function source>" -> first docstring line, ROUGE
   quickstart                 cpython_span_corruption and cpython_code_to_docstring, mixed by
                              t5x_lite.data.mixing.rate_for('quickstart')
@@ -49,6 +52,18 @@ for _objective in objectives.UNSUPERVISED_OBJECTIVES:
     output_features=objectives.objective_features(_objective),
     metric_fns=[],
   )
+
+seqio.TaskRegistry.add(
+  "cpython_electra",
+  source=file_sources.InMemorySource(_prose, splits=cpython_corpus.SPLITS),
+  preprocessors=[
+    objectives.text_as_targets,
+    seqio.preprocessors.tokenize,
+    objectives.electra_text,
+  ],
+  output_features=preprocessors.text_to_text_features(),
+  metric_fns=[],
+)
 
 seqio.TaskRegistry.add(
   "cpython_code_to_docstring",

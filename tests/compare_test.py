@@ -70,3 +70,37 @@ def test_an_unknown_variant_is_one_error_line(tmp_path):
     .splitlines()[-1]
     .startswith("ERROR: --only=bert names no variant of objectives: span_corruption, ")
   )
+
+
+def test_the_electra_row_pretrains_for_span_corruptions_flops_and_fine_tunes(tmp_path):
+  import gin
+
+  from t5x_lite.core import gin_config
+  from t5x_lite.nn import flops, network
+
+  _write_glue(tmp_path / "data")
+  args = (
+    "--table=objectives",
+    "--only=electra",
+    "--pretrain_steps=6",
+    "--finetune_steps=1",
+    "--batch_size=2",
+    "--data_dir=data",
+    "--output_dir=out",
+  )
+  result = _compare(tmp_path, *args)
+  assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+  table = tmp_path / "out/objectives"
+  (row,) = json.loads((table / "results.json").read_text())
+  assert row["task"] == "cpython_electra" and row["flops_matched"]
+  gin_config.parse_gin(["models/t5_1_1/tiny.gin"], ["T5Config.vocab_size = 8192"])
+  config = network.T5Config()
+  gin.clear_config()
+  span_corruption = flops.flops_per_token(config, 128, 32)
+  # The generator counts: more than the discriminator's own FLOPs per token.
+  assert row["flops_per_token"] > flops.flops_per_token(config, 80, 80) > span_corruption
+  assert row["pretrain_steps"] == round(6 * span_corruption / row["flops_per_token"]) < 6
+  saved = sorted(p.name for p in (table / "electra/pretrain").iterdir() if p.name.isdigit())
+  assert saved == [str(row["pretrain_steps"])]
+  assert 0 <= row["sst2_accuracy"] <= 100 and 0 <= row["rte_accuracy"] <= 100
+  assert "(its generator counted)" in (table / "results.md").read_text()

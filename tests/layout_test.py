@@ -16,10 +16,21 @@ LAYERS: list[tuple[str, list[str]]] = [
   ("kernels", ["kernels"]),  # backend implementations of the network's primitives
   ("nn", ["nn"]),  # the network math
   ("data", ["data"]),  # sources, vocabulary, objectives, mixing, the pipeline
-  # distillation.py restores its teacher through checkpoint.checkpoints.
+  # distillation.py restores its teacher through checkpoint.checkpoints; electra.py names
+  # its pre-training-only params after checkpoint.checkpoints.PRETRAINING_ONLY_PARAMS.
   ("checkpoint", ["checkpoint"]),
   # The contract (base_model) and its members; the trainer and the loop call the contract.
-  ("model", ["base_model", "models", "distillation", "distillation_modes", "codistillation"]),
+  (
+    "model",
+    [
+      "base_model",
+      "models",
+      "distillation",
+      "distillation_modes",
+      "codistillation",
+      "electra",
+    ],
+  ),
   ("training", ["training"]),
   # interop.t5x converts Adafactor state through training.factored_moments.
   ("interop", ["interop"]),

@@ -269,3 +269,12 @@ def test_bad_lengths_and_objectives_are_config_errors():
     noise.random_spans_helper(2)
   with pytest.raises(ConfigError, match="Unknown objective 'mlm'"):
     objectives.unsupervised_preprocessors("mlm")
+
+
+def test_electra_text_gives_the_uncorrupted_segments_as_inputs_and_targets():
+  docs = _documents(20)
+  examples = _run(objectives.electra_text, docs, {"inputs": 128, "targets": 128})
+  for ex in examples:
+    assert ex["inputs"].tolist() == ex["targets"].tolist()
+    assert ex["inputs"][-1] == EOS and len(ex["inputs"]) <= 128
+  assert _stream(examples, "targets").tolist() == np.concatenate(docs).tolist()

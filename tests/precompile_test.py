@@ -148,6 +148,7 @@ def test_tiny_config_fits_a_small_slice():
     ("--gin_file=quickstart_decoder_only.gin",),
     ("--gin_file=quickstart_prefix_lm.gin",),
     ("--gin_file=quickstart.gin", "--gin_bindings=T5Config.share_encoder_decoder = True"),
+    ("--gin_file=quickstart_electra.gin",),  # ElectraModel: generator and RTD head too
   ],
 )
 def test_every_architecture_precompiles_for_a_v5e_slice(args):

@@ -21,7 +21,7 @@ from t5x_lite.data import cpython_corpus, file_sources, objectives, task_metrics
 LENGTHS = {"inputs": 64, "targets": 16}
 TFDS_TASKS = sorted(n for n in seqio.TaskRegistry.names() if n.startswith(("c4_", "glue_", "wmt")))
 LOCAL_TASKS = sorted(n for n in seqio.TaskRegistry.names() if n.startswith("local_"))
-OFFLINE_TASKS = ["cpython_span_corruption", "cpython_code_to_docstring"]
+OFFLINE_TASKS = ["cpython_span_corruption", "cpython_code_to_docstring", "cpython_electra"]
 
 
 def _write_fixture_data(root) -> None:

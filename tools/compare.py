@@ -20,6 +20,12 @@ run's metrics.jsonl and config.gin stay there. After every variant the table is
 rewritten to --output_dir/<table>/results.{md,json}. A failed run stops the tool
 with one `ERROR:` line naming the run and its log file.
 
+The objectives table's `electra` row pre-trains an `ElectraModel` (runs/electra.gin,
+task `cpython_electra`) for as many steps as give the training FLOPs of the span
+corruption row's --pretrain_steps, its generator counted
+(`ElectraModel.train_flops_per_step`), then fine-tunes the discriminator alone like
+every row (the checkpoint's generator and RTD head are dropped).
+
 Sizes: --model (a model size file of each architecture's family, default `tiny`),
 --pretrain_steps, --finetune_steps, --batch_size; extra --gin_bindings (or
 --gin.NAME=VALUE) apply to every run, e.g. --gin.T5Config.emb_dim=128. --only=<dirs>
@@ -65,6 +71,9 @@ DOWNSTREAM = {
   "local_glue_sst2": {"inputs": 128, "targets": 8},
   "local_glue_rte": {"inputs": 256, "targets": 8},
 }
+ELECTRA_GIN = "runs/electra.gin"
+# The row whose pre-training FLOPs the rows with their own gin files match.
+SPAN_CORRUPTION = ("cpython_span_corruption", SHORT_TARGETS)
 # Objectives whose targets are the whole (corrupted) segment.
 _WHOLE_SEGMENT_TARGETS = ("bert_style", "iid_denoising", "mass_style", "deshuffling")
 
@@ -80,6 +89,9 @@ class Variant:
     lengths: its task feature lengths.
     bindings: gin bindings of this variant's pre-training and fine-tuning runs.
     pretrain_bindings: gin bindings of its pre-training run only.
+    pretrain_gin_files: gin files its pre-training run adds (after runs/pretrain.gin);
+      such a row pre-trains for the span corruption row's training FLOPs
+      (`pretrain_steps`).
   """
 
   name: str
@@ -88,6 +100,7 @@ class Variant:
   lengths: dict
   bindings: tuple[str, ...] = ()
   pretrain_bindings: tuple[str, ...] = ()
+  pretrain_gin_files: tuple[str, ...] = ()
 
 
 def _objective_lengths(objective: str) -> dict:
@@ -124,11 +137,15 @@ def variants(table: str) -> list[Variant]:
   if table == "objectives":
     from t5x_lite.data import objectives  # TensorFlow only when needed
 
-    return [
+    rows = [
       Variant(name, "t5_1_1", f"cpython_{name}", _objective_lengths(name))
       for name in objectives.UNSUPERVISED_OBJECTIVES
       if name != "lm"
     ]
+    electra = Variant(
+      "electra", "t5_1_1", "cpython_electra", LONG_TARGETS, pretrain_gin_files=(ELECTRA_GIN,)
+    )
+    return rows + [electra]
   # K = 2^16 caps SST-2's 67k training examples only; the other three have 2k-29k.
   rates = {
     "examples-proportional, K = 2^16": ("strategy = 'proportional'", "maximum = 65536"),
@@ -202,6 +219,57 @@ def _last(metrics_path: str, split: str, key: str) -> float | None:
   return value
 
 
+class _SizedVocabulary:
+  """Stands in for the offline vocabulary where only the model's shapes matter."""
+
+  eos_id = 1
+
+  def __init__(self, vocab_size: int):
+    self.vocab_size = vocab_size
+
+
+def pretrain_flops_per_token(variant: Variant) -> float:
+  """Training FLOPs per token of `variant`'s pre-training model, from its gin files and
+  the --gin bindings (an ELECTRA row: the discriminator's and the generator's)."""
+  import gin
+
+  import t5x_lite.run.train_lib  # noqa: F401  (the configurables quickstart_base.gin binds)
+  from t5x_lite import models
+  from t5x_lite.nn import flops, network
+
+  gin.clear_config()
+  gin_files = [
+    f"models/{variant.family}/{_MODEL.value}.gin",
+    "quickstart_base.gin",
+    *variant.pretrain_gin_files,
+  ]
+  gin_config.parse_gin(gin_files, [*flags.FLAGS.gin_bindings, *variant.bindings])
+  config = network.T5Config()
+  lengths = flops.network_lengths(
+    config, variant.lengths.get("inputs", 0), variant.lengths["targets"]
+  )
+  if ELECTRA_GIN in variant.pretrain_gin_files:
+    from t5x_lite import electra
+
+    model = electra.build_electra_model(config, _SizedVocabulary(config.vocab_size))
+  else:
+    model = models.build_model(config, _SizedVocabulary(config.vocab_size))
+  gin.clear_config()
+  return model.train_flops_per_step(1, *lengths) / sum(lengths)
+
+
+def pretrain_steps(variant: Variant) -> int:
+  """--pretrain_steps; for a row with its own pre-training gin files, the steps whose
+  training FLOPs equal the span corruption row's --pretrain_steps (rows hold the same
+  160 tokens)."""
+  if not variant.pretrain_gin_files:
+    return _PRETRAIN_STEPS.value
+  task, lengths = SPAN_CORRUPTION
+  reference = Variant("span_corruption", variant.family, task, lengths, variant.bindings)
+  ratio = pretrain_flops_per_token(reference) / pretrain_flops_per_token(variant)
+  return max(1, round(_PRETRAIN_STEPS.value * ratio))
+
+
 def _model_info(variant: Variant, pretrain_dir: str) -> dict:
   """Parameters and training FLOPs per token of the model the pre-training run saved."""
   import jax  # the data-free part of the tool stays light to import
@@ -217,21 +285,26 @@ def _model_info(variant: Variant, pretrain_dir: str) -> dict:
   lengths = flops.network_lengths(
     config, variant.lengths.get("inputs", 0), variant.lengths["targets"]
   )
-  return {"params": params, "flops_per_token": flops.flops_per_token(config, *lengths)}
+  per_token = flops.flops_per_token(config, *lengths)
+  if variant.pretrain_gin_files:  # the pre-training model's own cost (a generator counted)
+    per_token = pretrain_flops_per_token(variant)
+  return {"params": params, "flops_per_token": per_token}
 
 
 def run_variant(runner: Runner, variant: Variant, table: str) -> dict:
   """Pre-trains (or multi-task trains) one variant, fine-tunes or evaluates, returns its row."""
   root = os.path.join(runner.table_dir, _slug(variant.name))
   pretrain_dir = os.path.join(root, "pretrain")
-  steps = _PRETRAIN_STEPS.value
+  steps = pretrain_steps(variant)
   row = {"variant": variant.name, "task": variant.task, "lengths": variant.lengths}
+  row["pretrain_steps"], row["flops_matched"] = steps, bool(variant.pretrain_gin_files)
   row["pretrain_seconds"] = runner.run(
     [
       "-m",
       "t5x_lite.train",
       _model_gin(variant),
       "--gin_file=runs/pretrain.gin",
+      *(f"--gin_file={gin_file}" for gin_file in variant.pretrain_gin_files),
       *_common(variant),
       *(f"--gin_bindings={b}" for b in variant.pretrain_bindings),
       f"--gin.MODEL_DIR={pretrain_dir}",
@@ -305,12 +378,18 @@ def markdown(rows: Sequence[dict], table: str) -> str:
       f"{r['flops_per_token']:.3g} | {r['pretrain_validation_loss']:.3f} | "
       f"{r['sst2_accuracy']:.1f} | {r['rte_accuracy']:.1f} | {wall:.0f} |"
     )
+  matched = "".join(
+    f"{r['variant']} pre-trains {r['pretrain_steps']} steps, the training FLOPs of span "
+    f"corruption's {_PRETRAIN_STEPS.value} (its generator counted).\n"
+    for r in rows
+    if r.get("flops_matched")
+  )
   note = f"\n{_PRETRAIN_STEPS.value} {trained} of {_BATCH_SIZE.value} rows, " + (
     "then SST-2 and RTE dev accuracy of that checkpoint.\n"
     if table == "mixing"
     else f"then {_FINETUNE_STEPS.value} fine-tuning steps per task (dev accuracy).\n"
   )
-  return head + "\n".join(lines) + "\n" + note
+  return head + "\n".join(lines) + "\n" + note + matched
 
 
 def main(argv: Sequence[str]) -> None:

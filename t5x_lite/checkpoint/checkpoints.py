@@ -74,6 +74,10 @@ CONFIG = "config"
 MODEL_CONFIG_KEY = "model_config"
 # Key of the training vocabulary's `vocabulary_fingerprint` inside `train_meta`.
 VOCABULARY_KEY = "vocabulary"
+# Top-level params subtrees that only a pre-training objective trains beside the T5
+# network (ELECTRA's generator and replaced-token-detection head, `t5x_lite.electra`).
+# A restore into a model without them drops them, listed in one warning.
+PRETRAINING_ONLY_PARAMS = ("generator", "rtd_head")
 
 
 class CheckpointMismatchError(CheckpointError):
@@ -329,6 +333,29 @@ def model_config(step_dir: epath.Path) -> network.T5Config:
   return config
 
 
+def drop_pretraining_only(
+  saved: Mapping[str, tuple[int, ...]], target_paths: Collection[str], location: Any
+) -> dict[str, tuple[int, ...]]:
+  """`saved` (path -> shape) without the `PRETRAINING_ONLY_PARAMS` subtrees the target
+  lacks; what is dropped is listed in one warning naming `location`."""
+  wanted = {path.split("/", 1)[0] for path in target_paths}
+  dropped: dict[str, int] = {}
+  kept = {}
+  for path, shape in saved.items():
+    top = path.split("/", 1)[0]
+    if top in PRETRAINING_ONLY_PARAMS and top not in wanted:
+      dropped[top] = dropped.get(top, 0) + 1
+    else:
+      kept[path] = shape
+  if dropped:
+    logging.warning(
+      "Pre-training-only params of checkpoint %s dropped (the model has none): %s",
+      location,
+      ", ".join(f"{top}/ ({count} arrays)" for top, count in dropped.items()),
+    )
+  return kept
+
+
 def _cast_abstract(target: Any, dtype: str | None) -> Any:
   """Overrides the dtype of every abstract leaf when `dtype` is given."""
   if dtype is None:
@@ -351,16 +378,26 @@ def saved_shapes(item_dir: epath.Path) -> dict[str, tuple[int, ...]]:
 
 
 def restore_item(item_dir: epath.Path, target: Any, what: str) -> Any:
-  """Validates an item's tree against `target` and restores it into it."""
-  check_tree_matches(
-    saved_shapes(item_dir),
-    flat_shapes(target),
-    what=what,
-    location=os.fspath(item_dir),
-  )
+  """Validates an item's tree against `target` and restores it into it.
+
+  A `PARAMS` item may hold `PRETRAINING_ONLY_PARAMS` subtrees the target lacks: they
+  are dropped with one warning and the rest is read (an orbax partial restore).
+  """
+  saved = saved_shapes(item_dir)
+  target_shapes = flat_shapes(target)
+  kept = drop_pretraining_only(saved, target_shapes, item_dir) if what == PARAMS else saved
+  check_tree_matches(kept, target_shapes, what=what, location=os.fspath(item_dir))
   try:
-    with ocp.StandardCheckpointer() as checkpointer:
-      return checkpointer.restore(item_dir, target)
+    if len(kept) == len(saved):
+      with ocp.StandardCheckpointer() as checkpointer:
+        return checkpointer.restore(item_dir, target)
+    args = ocp.args.PyTreeRestore(
+      item=target,
+      restore_args=ocp.checkpoint_utils.construct_restore_args(target),
+      partial_restore=True,
+    )
+    with ocp.PyTreeCheckpointer() as checkpointer:
+      return checkpointer.restore(item_dir, args=args)
   except Exception as e:  # tensorstore errors name the file in their message
     raise CheckpointError(f"Cannot restore {item_dir}: {e}") from e
 

@@ -14,6 +14,9 @@ says how:
 * `fallback_to_scratch`: model parameters the checkpoint lacks keep their fresh
   initialisation (listed in one warning). Off, they are an error, except adapters
   (`network.adapter_params`), which always start from their identity initialisation.
+* Pre-training-only subtrees (`checkpoints.PRETRAINING_ONLY_PARAMS`: an ELECTRA
+  checkpoint's `generator/` and `rtd_head/`) that the model lacks are dropped, listed in
+  one warning, so a plain `EncoderDecoderModel` fine-tunes from such a checkpoint.
 * `restore_optimizer_state`: also restores the `opt_state` item and the step
   (continued pre-training into a new MODEL_DIR); the RNG and the data start fresh.
 
@@ -305,7 +308,9 @@ def _restore_params(
       p: jax.ShapeDtypeStruct(x.shape, np.dtype(dtype), sharding=x.sharding)
       for p, x in flat_target.items()
     }
-  saved = checkpoints.saved_shapes(item_dir)
+  saved = checkpoints.drop_pretraining_only(
+    checkpoints.saved_shapes(item_dir), flat_target, step_dir
+  )
   model_layout, stored_layout = scan_layout.layout(flat_target), scan_layout.layout(saved)
   view = scan_layout.checkpoint_view(saved, model_layout)
   converted = model_layout if view.keys() != saved.keys() else None

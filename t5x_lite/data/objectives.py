@@ -369,6 +369,38 @@ def lm(
   )
 
 
+def electra_text(
+  dataset: tf.data.Dataset,
+  sequence_length: Mapping[str, int],
+  output_features: Mapping[str, Feature],
+) -> tf.data.Dataset:
+  """ELECTRA / METRO-T5 pre-training's features: segments of inputs - 1 tokens plus EOS,
+  uncorrupted, as both inputs and targets. `t5x_lite.electra.ElectraModel` masks and
+  corrupts the inputs in its train step (the generator's samples depend on its params),
+  and its decoder reconstructs the targets. Set the targets length to the inputs length.
+
+  Args:
+    dataset: tokenized examples with 'targets'.
+    sequence_length: needs 'inputs'.
+    output_features: the task's features ('targets' vocabulary).
+
+  Returns:
+    A dataset of {'inputs', 'targets'}, equal, ending in EOS.
+  """
+  eos_id = _targets_vocabulary(output_features).eos_id
+  if eos_id is None:
+    raise ConfigError(
+      "electra_text: the 'targets' vocabulary has no EOS id to end each segment with"
+    )
+  ds = concat_and_split(dataset, sequence_length["inputs"] - 1)
+
+  def both(x):
+    text = _append_eos(x["targets"], eos_id)
+    return {"inputs": text, "targets": text}
+
+  return ds.map(both, num_parallel_calls=tf.data.AUTOTUNE)
+
+
 UNSUPERVISED_OBJECTIVES = {
   "span_corruption": span_corruption,
   "iid_replace_spans": iid_replace_spans,

@@ -223,7 +223,13 @@ def _all_finite(tree: Any) -> jax.Array:
 
 def _mean_metrics(metrics: Sequence[Mapping[str, float]]) -> dict[str, float]:
   """Interval means; the learning rate of the last step."""
-  keys = ("loss", "accuracy", "grad_norm", "z_loss", "cross_ent_loss", "distill_kl")
+  keys = ("loss", "accuracy", "grad_norm", "z_loss", "cross_ent_loss", "distill_kl") + (
+    "electra_mlm",
+    "electra_rtd",
+    "electra_clm",
+    "rtd_accuracy",
+    "replaced_fraction",
+  )
   summary = {k: float(np.mean([m[k] for m in metrics])) for k in keys if k in metrics[-1]}
   if "learning_rate" in metrics[-1]:
     summary["learning_rate"] = metrics[-1]["learning_rate"]
