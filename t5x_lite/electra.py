@@ -211,7 +211,7 @@ class ElectraModel(base_model.BaseModel):
   ):
     self.discriminator = discriminator
     self.generator = generator
-    self.heads = ElectraHeads(discriminator.network_config, generator)
+    self.heads = ElectraHeads(config=discriminator.network_config, generator_config=generator)
     self.input_vocabulary = discriminator.input_vocabulary
     self.output_vocabulary = discriminator.output_vocabulary
     self.mask_rate = mask_rate
