@@ -77,7 +77,7 @@ class TpuGeneration:
 
   @property
   def peak_flops(self) -> float:
-    """Peak bfloat16 matmul FLOP/s per chip (`throughput.PEAK_BF16_FLOPS`)."""
+    """Peak bfloat16 matmul FLOP/s per chip (`throughput.DATASHEET_PEAK_FLOPS`)."""
     return throughput.table_peak_flops(f"TPU {self.name}")
 
 
