@@ -61,6 +61,7 @@ def test_compile_jobs_split_the_kernel_sets_and_drop_hf(tmp_path):
   assert "--compare_hf" not in command and not any("profile_dir" in c for c in command)
   measured = ctx.command(run, compile_only=False)
   assert f"--profile_dir={tmp_path}/work/profile/base_b128" in measured
+  assert f"--profile_steps={gpu_benchmark.PROFILE_STEPS}" in measured
   hf_run = gpu_benchmark.gpu_plan()[1]
   assert "--compare_hf" in ctx.command(hf_run, compile_only=False)
   assert "--compare_hf" not in ctx.command(hf_run, compile_only=True)

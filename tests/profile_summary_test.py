@@ -76,6 +76,39 @@ def test_device_ops_of_the_longest_program_are_ranked_per_run(tmp_path):
   assert "__cublas$gemm 60.0%" in text
 
 
+def _gpu_trace(folder, events, lines):
+  meta = [{"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/device:GPU:0"}}]
+  meta += [
+    {"ph": "M", "pid": 1, "tid": tid, "name": "thread_name", "args": {"name": name}}
+    for tid, name in lines.items()
+  ]
+  path = folder / "t.trace.json.gz"
+  with gzip.open(path, "wt") as f:
+    json.dump({"traceEvents": meta + events}, f)
+  return str(path)
+
+
+def test_device_stream_kernels_are_counted_once_beside_a_derived_ops_line(tmp_path):
+  kernel = _event(1, "gemm.3", 600.0, "r1", name="nvjet_tst_128x256") | {"tid": 7}
+  derived = {"ph": "X", "pid": 1, "tid": 9, "ts": 0, "dur": 600.0, "name": "gemm.3", "args": {}}
+  trace = _gpu_trace(tmp_path, [kernel, derived], {7: "Stream #13(Compute)", 9: "XLA Ops"})
+  summary = profile_summary.summarize(trace, runs=1)
+  assert [(r.op, r.seconds_per_run) for r in summary.rows] == [("gemm.3", pytest.approx(6e-4))]
+  # Without the stream line, the derived line's events are the ops, by name.
+  trace = _gpu_trace(tmp_path, [derived], {9: "XLA Ops"})
+  assert [r.op for r in profile_summary.summarize(trace, runs=1).rows] == ["gemm.3"]
+
+
+def test_device_kernels_without_op_names_are_ranked_by_kernel(tmp_path):
+  kernels = [
+    {"ph": "X", "pid": 1, "tid": 7, "ts": 0, "dur": d, "name": n, "args": {"correlation_id": 1}}
+    for n, d in (("nvjet_a", 30.0), ("loop_fusion_k", 10.0), ("nvjet_a", 30.0))
+  ]
+  summary = profile_summary.summarize(_gpu_trace(tmp_path, kernels, {7: "Stream #13"}), runs=2)
+  assert [(r.op, r.share) for r in summary.rows] == [("nvjet_a", 6 / 7), ("loop_fusion_k", 1 / 7)]
+  assert summary.seconds_per_run == pytest.approx(35e-6)
+
+
 def test_a_cpu_trace_of_a_jitted_function(tmp_path):
   """A real trace: XLA:CPU's ops on the host, named from the compiled HLO text."""
 

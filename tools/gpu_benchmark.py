@@ -60,6 +60,8 @@ PACKAGES += ("gin-config", "torch", "transformers", "numpy")
 OUTPUTS = ("gpu_benchmark.json", "summary.txt", "gpu_benchmark.log")
 # Seconds kept for the summaries after the last run.
 RESERVE_S = 20.0
+# Train steps traced per kernel set of a profiled run.
+PROFILE_STEPS = 3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,6 +188,7 @@ class Context:
       flags.append("--compile_only")
     elif run.profile:
       flags.append(f"--profile_dir={os.path.join(self.work_dir, 'profile', run.name)}")
+      flags.append(f"--profile_steps={PROFILE_STEPS}")
     return [self.python, os.path.join(REPO, "tools", "benchmark.py"), *flags]
 
 
@@ -309,7 +312,9 @@ def write_outputs(
     for kernels in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
       key = f"{run.name}/{kernels}"
       try:
-        summary = profile_summary.summarize_dir(os.path.join(folder, kernels), top=10)
+        summary = profile_summary.summarize_dir(
+          os.path.join(folder, kernels), top=10, runs=PROFILE_STEPS
+        )
       except (profile_summary.ProfileError, OSError, ValueError) as e:
         profiles[key] = {"error": str(e)}
         lines.append(f"\nprofile {key}: ERROR: {e}")

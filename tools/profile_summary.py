@@ -119,18 +119,34 @@ def read_hlo(text: str) -> dict[str, Op]:
   return ops
 
 
+def _with_op(event: dict[str, Any], op: str) -> dict[str, Any]:
+  return {**event, "args": {**(event.get("args") or {}), "hlo_op": op}}
+
+
 def op_events(trace: dict[str, Any]) -> tuple[str, list[dict[str, Any]]]:
-  """(where they ran, the complete events naming an `hlo_op`): a device's if any ran on
-  one (GPU, TPU), else the host's (XLA:CPU)."""
+  """(where they ran, the complete events of XLA ops, each naming its `hlo_op`).
+
+  A device's (GPU, TPU) where any ran on one, else the host's (XLA:CPU). On a device,
+  the kernels on its stream lines ('Stream #...') where they name their op; else its
+  'XLA Ops' line (the op is the event's name), so that an op is never counted twice;
+  else every device event, by its kernel name.
+  """
   events = trace["traceEvents"] if isinstance(trace, dict) else trace
-  processes = {
-    e["pid"]: e["args"]["name"]
-    for e in events
-    if e.get("ph") == "M" and e.get("name") == "process_name"
-  }
-  ops = [e for e in events if e.get("ph") == "X" and "hlo_op" in (e.get("args") or {})]
-  on_devices = [e for e in ops if processes.get(e.get("pid"), "").startswith("/device:")]
-  chosen = on_devices or ops
+  processes, lines = {}, {}
+  for e in events:
+    if e.get("ph") == "M" and e.get("name") == "process_name":
+      processes[e["pid"]] = e["args"]["name"]
+    elif e.get("ph") == "M" and e.get("name") == "thread_name":
+      lines[(e["pid"], e.get("tid"))] = e["args"]["name"]
+  complete = [e for e in events if e.get("ph") == "X"]
+  on_device = [e for e in complete if processes.get(e.get("pid"), "").startswith("/device:")]
+  line = lambda e: lines.get((e.get("pid"), e.get("tid")), "")  # noqa: E731
+  annotated = [e for e in on_device if "hlo_op" in (e.get("args") or {})]
+  streams = [e for e in annotated if line(e).startswith("Stream")]
+  chosen = streams or [_with_op(e, e.get("name", "?")) for e in on_device if line(e) == "XLA Ops"]
+  chosen = chosen or annotated or [_with_op(e, e.get("name", "?")) for e in on_device]
+  if not on_device:
+    chosen = [e for e in complete if "hlo_op" in (e.get("args") or {})]
   where = sorted({processes.get(e.get("pid"), "?") for e in chosen})
   return ", ".join(where), chosen
 
