@@ -197,3 +197,26 @@ def test_summed_bias_broadcasts_to_whole_query_and_key_axes():
   assert total.shape == (2, 3, 6, 8) and total.dtype == jnp.float32
   assert xla_gpu.summed_bias([padding], 6).shape == (2, 1, 6, 8)
   assert xla_gpu.summed_bias([], 6) is None
+
+
+def test_where_jax_finds_no_cudnn_xla_runs_and_a_warning_says_so(monkeypatch, caplog):
+  real = jax.nn.dot_product_attention
+  asked = []
+
+  def no_cudnn(query, key, value, bias=None, mask=None, *, scale=None, implementation=None):
+    asked.append(implementation)
+    if implementation == "cudnn":
+      raise RuntimeError("cuDNN is not detected.")
+    return real(query, key, value, bias=bias, mask=mask, scale=scale, implementation=implementation)
+
+  monkeypatch.setattr(jax.nn, "dot_product_attention", no_cudnn)
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  q, k, v, position = _operands(jnp.bfloat16)
+  kwargs = dict(key_axes="bkhd", value_axes="bkhd", dtype=jnp.bfloat16, logits_dtype=jnp.float32)
+  kwargs.update(dropout_rate=0.0, dropout_rng=None)
+  with caplog.at_level("WARNING"):
+    got = xla_gpu.attention(q, k, v, [position], **kwargs)
+  assert asked == ["cudnn", "xla"]
+  assert "cuDNN's fused attention refused" in caplog.text and "cuDNN is not detected" in caplog.text
+  want = reference.attention(q, k, v, [position], **kwargs)
+  np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=2e-2)

@@ -93,7 +93,7 @@ def gpu_plan() -> list[Run]:
     "--target_length=114",
     "--decode_length=64",
     "--num_beams=4",
-    "--reps=5",
+    "--reps=3",
     "--warmup=2",
     "--settle=1",
     "--matmul_size=8192",

@@ -13,16 +13,17 @@ them as they are); what differs is attention:
   its gradient must flow (the cuDNN kernel returns the bias gradient).
 * On a GPU it runs with implementation='cudnn' (cuDNN's fused flash attention: the
   [batch, heads, q, k] logits and weights never reach memory, forward or backward)
-  where cuDNN takes the shapes: bfloat16 or float16 queries, keys and values, a head
-  size that is a multiple of 8 up to 128, and, with a bias, even query and key lengths
-  (the cuDNN condition for a bias gradient; a decode step's single query is exempt,
-  it has no gradient). cuDNN takes its bias in the queries' dtype: the masks' finite
-  `MASK_BIAS` stays below every logit there, and T5's bfloat16 models compute their
-  position bias in bfloat16 already. cuDNN's softmax is float32 whatever
-  `logits_dtype` says. Elsewhere, and on other backends (the CPU, where the tests
-  check this set against the reference), implementation='xla': the same math as
-  `reference.attention` in jax's own form (float32 logits and softmax, weights cast
-  to the values' dtype).
+  where cuDNN takes the shapes (`implementation`): bfloat16 or float16 queries, keys
+  and values, a head size that is a multiple of 8 up to 128, and, with a bias, even
+  query and key lengths (the cuDNN condition for a bias gradient; a decode step's
+  single query is exempt, it has no gradient). cuDNN takes its bias in the queries'
+  dtype: the masks' finite `MASK_BIAS` stays below every logit there, and T5's
+  bfloat16 models compute their position bias in bfloat16 already. cuDNN's softmax
+  is float32 whatever `logits_dtype` says. Where jax finds no usable cuDNN while
+  tracing (its checks raise), a warning says so and XLA's implementation runs.
+  Elsewhere, and on other backends (the CPU, where the tests check this set against
+  the reference), implementation='xla': the same math as `reference.attention` in
+  jax's own form (float32 logits and softmax, weights cast to the values' dtype).
 * Attention dropout (a fine-tuning option; T5 1.1 pre-trains without it) has no place
   in that call, so with a dropout key the reference attention runs instead; so it does
   for operands of mixed dtypes and for other key/value layouts.
@@ -35,6 +36,7 @@ from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
+from absl import logging
 
 from t5x_lite.core.types import Array, DType
 from t5x_lite.kernels import reference
@@ -118,13 +120,22 @@ def attention(
       dropout_rng=dropout_rng,
     )
   bias = summed_bias(biases, query.shape[1])  # [batch|1, heads|1, q, k]
-  chosen = implementation(query, key, bias, jax.default_backend())
-  if chosen == 'cudnn' and bias is not None:
-    bias = bias.astype(query.dtype)
+  if implementation(query, key, bias, jax.default_backend()) == 'cudnn':
+    cudnn_bias = None if bias is None else bias.astype(query.dtype)
+    try:
+      # [batch, q, heads, kv] x [batch, k, heads, kv] (x2) -> [batch, q, heads, kv]
+      return jax.nn.dot_product_attention(
+        query, key, value, bias=cudnn_bias, scale=1.0, implementation='cudnn'
+      )
+    except (NotImplementedError, RuntimeError) as e:  # raised while tracing: no cuDNN
+      logging.warning(
+        "xla_gpu attention: cuDNN's fused attention refused query %s, key %s (%s); XLA's runs",
+        query.shape,
+        key.shape,
+        e,
+      )
   # [batch, q, heads, kv] x [batch, k, heads, kv] (x2) -> [batch, q, heads, kv]
-  return jax.nn.dot_product_attention(
-    query, key, value, bias=bias, scale=1.0, implementation=chosen
-  )
+  return jax.nn.dot_product_attention(query, key, value, bias=bias, scale=1.0, implementation='xla')
 
 
 KERNELS = Kernels(
