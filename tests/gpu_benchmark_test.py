@@ -99,6 +99,33 @@ def test_a_run_line_says_how_it_ended_and_each_sides_figures():
   assert gpu_benchmark.run_line("b", failed, {}).splitlines()[1] == "    ValueError: x"
 
 
+def test_a_failed_run_of_two_kernel_sets_runs_again_with_the_reference_alone(monkeypatch):
+  ran = []
+
+  def execute(ctx, run, compile_only, deadline):
+    ran.append((run.name, _flag(run, "kernels")))
+    status = "failed with status 1" if run.name == "base_b128" else "ok"
+    return {"status": status, "seconds": 1.0, "last_lines": ["Error: cuDNN"]}
+
+  monkeypatch.setattr(gpu_benchmark, "execute", execute)
+  plan = gpu_benchmark.gpu_plan()[:2]
+  ctx = gpu_benchmark.Context("out", "work", "python3", 1e12, None)
+  results = gpu_benchmark.measure_all(ctx, plan)
+  assert ran == [
+    ("base_b128", "xla_gpu,reference"),
+    ("base_b128.reference", "reference"),
+    ("small_b64", "xla_gpu,reference"),
+  ]
+  assert (
+    results["base_b128"]["fallback"]["status"] == "ok" and "fallback" not in results["small_b64"]
+  )
+  assert "\n  its last kernel set alone [ok, 1 s]" in gpu_benchmark.run_line(
+    "base_b128", results["base_b128"], {}
+  )
+  profiled = ctx.command(gpu_benchmark.single_kernel_runs(plan[0])[1], compile_only=False)
+  assert "--profile_dir=work/profile/base_b128" in profiled  # beside the full run's
+
+
 def test_a_python_without_gin_is_one_error_line(tmp_path):
   (tmp_path / "gin.py").write_text("raise ImportError('No module named gin')\n")
   env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{REPO}"}

@@ -23,7 +23,8 @@ so a first phase compiles every run's programs, one process per run and kernel s
 persistent compilation cache in the work folder, within 40% of the budget; the timed
 runs then follow one at a time and load their programs from it (each run's
 `compile_cache_hits` says how many). A run that does not finish in the time left is
-stopped and recorded as such; the files are always written.
+stopped and recorded as such; one that fails runs again with its last kernel set alone
+(`measure_all`); the files are always written.
 
 It needs jax (with CUDA), flax, optax, orbax-checkpoint, gin-config, torch and
 transformers; not seqio or TensorFlow (the batches are random token ids).
@@ -144,16 +145,23 @@ def dry_run_plan() -> list[Run]:
   ]
 
 
+def single_kernel_runs(run: Run) -> list[Run]:
+  """`run` once per kernel set of its --kernels, each named '<run>.<kernels>'."""
+  [kernels] = [f for f in run.flags if f.startswith("--kernels=")]
+  return [
+    dataclasses.replace(
+      run,
+      name=f"{run.name}.{name}",
+      flags=tuple(f"--kernels={name}" if f == kernels else f for f in run.flags),
+    )
+    for name in kernels.split("=", 1)[1].split(",")
+  ]
+
+
 def compile_jobs(plan: Sequence[Run]) -> list[tuple[Run, Run]]:
   """(run, job) pairs of phase 1: one job per kernel set of each run (--kernels=<one>), so
   that the compilations of one run proceed in parallel too."""
-  jobs = []
-  for run in plan:
-    [kernels] = [f for f in run.flags if f.startswith("--kernels=")]
-    for name in kernels.split("=", 1)[1].split(","):
-      flags = tuple(f"--kernels={name}" if f == kernels else f for f in run.flags)
-      jobs.append((run, dataclasses.replace(run, name=f"{run.name}.{name}", flags=flags)))
-  return jobs
+  return [(run, job) for run in plan for job in single_kernel_runs(run)]
 
 
 @dataclasses.dataclass
@@ -187,7 +195,9 @@ class Context:
     if compile_only:
       flags.append("--compile_only")
     elif run.profile:
-      flags.append(f"--profile_dir={os.path.join(self.work_dir, 'profile', run.name)}")
+      # A fallback run ('<run>.<kernels>') profiles into its run's folder.
+      folder = os.path.join(self.work_dir, "profile", run.name.split(".")[0])
+      flags.append(f"--profile_dir={folder}")
       flags.append(f"--profile_steps={PROFILE_STEPS}")
     return [self.python, os.path.join(REPO, "tools", "benchmark.py"), *flags]
 
@@ -242,8 +252,16 @@ def compile_all(ctx: Context, plan: Sequence[Run], share: float) -> dict[str, An
 
 
 def measure_all(ctx: Context, plan: Sequence[Run]) -> dict[str, Any]:
-  """Phase 2: the timed runs, one at a time, each with the time left."""
-  return {run.name: execute(ctx, run, False, ctx.deadline - RESERVE_S) for run in plan}
+  """Phase 2: the timed runs, one at a time, each with the time left. A run of several
+  kernel sets that fails (not one stopped for time) runs again with its last set alone
+  (the reference), under 'fallback', so that one set's failure leaves the others'."""
+  results = {}
+  for run in plan:
+    results[run.name] = execute(ctx, run, False, ctx.deadline - RESERVE_S)
+    alone = single_kernel_runs(run)
+    if results[run.name]["status"].startswith("failed") and len(alone) > 1:
+      results[run.name]["fallback"] = execute(ctx, alone[-1], False, ctx.deadline - RESERVE_S)
+  return results
 
 
 def environment() -> dict[str, Any]:
@@ -280,13 +298,17 @@ def _side(figures: dict[str, Any], prefix: str, label: str) -> str:
 
 def run_line(name: str, measured: dict[str, Any], compiled: dict[str, Any]) -> str:
   """One line of summary.txt: how the run ended, then each side's figures."""
-  head = f"{name} [{measured['status']}, {measured['seconds']:.0f} s; compile phase: "
-  head += ", ".join(
-    f"{job.split('.')[-1]} {r['status']} ({r['seconds']:.0f} s)" for job, r in compiled.items()
-  )
+  head = f"{name} [{measured['status']}, {measured['seconds']:.0f} s"
+  if compiled:
+    head += "; compile phase: " + ", ".join(
+      f"{job.split('.')[-1]} {r['status']} ({r['seconds']:.0f} s)" for job, r in compiled.items()
+    )
   figures = measured.get("figures")
   if not figures:
-    return head + "]" + "".join(f"\n    {line}" for line in measured.get("last_lines", []))
+    failed = head + "]" + "".join(f"\n    {line}" for line in measured.get("last_lines", []))
+    if "fallback" in measured:
+      failed += "\n  " + run_line("its last kernel set alone", measured["fallback"], {})
+    return failed
   head += f"; {figures.get('compile_cache_hits', 0)} programs from the cache]"
   sides = [_side(figures, "", figures.get("kernels", "ours"))]
   for other in figures.get("settings", {}).get("compare_kernels", []):
