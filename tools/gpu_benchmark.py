@@ -45,6 +45,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -173,6 +174,7 @@ class Context:
   python: str
   deadline: float
   log: Any  # the open gpu_benchmark.log
+  lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)  # of the log
 
   def env(self, run: Run) -> dict[str, str]:
     """The run's environment: the compilation cache, no GPU preallocation (several
@@ -223,9 +225,10 @@ def execute(ctx: Context, run: Run, compile_only: bool, deadline: float) -> dict
       x.decode() if isinstance(x, bytes) else (x or "") for x in (e.stdout, e.stderr)
     )
   seconds = time.time() - start
-  ctx.log.write(f"===== {run.name} ({phase}): {status}, {seconds:.1f} s\n$ {' '.join(command)}\n")
-  ctx.log.write(output + "\n")
-  ctx.log.flush()
+  with ctx.lock:  # phase 1's jobs finish in parallel threads
+    ctx.log.write(f"===== {run.name} ({phase}): {status}, {seconds:.1f} s\n")
+    ctx.log.write(f"$ {' '.join(command)}\n{output}\n")
+    ctx.log.flush()
   result: dict[str, Any] = {"status": status, "seconds": seconds}
   if status != "ok":
     lines = [line for line in output.splitlines() if line.strip()]
