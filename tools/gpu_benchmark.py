@@ -55,8 +55,6 @@ sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.join(REPO, "tools"))
 import profile_summary  # noqa: E402  (tools/profile_summary.py)
 
-from t5x_lite.core import console  # noqa: E402  (absl only: no jax, no gin)
-
 PACKAGES = ("jax", "jaxlib", "jax-cuda13-plugin", "flax", "optax", "orbax-checkpoint")
 PACKAGES += ("gin-config", "torch", "transformers", "numpy")
 OUTPUTS = ("gpu_benchmark.json", "summary.txt", "gpu_benchmark.log")
@@ -81,6 +79,13 @@ class Run:
   flags: tuple[str, ...]
   xla_flags: str = ""
   profile: bool = False
+
+
+def xla_defaults() -> str:
+  """XLA_FLAGS of a run with XLA's own values of the start-up GPU options."""
+  from t5x_lite.core import console  # imports gin: after main's check that it is there
+
+  return " ".join(console.GPU_XLA_DEFAULTS)
 
 
 def _flags(gin: str, batch: int, *extra: str, common: Sequence[str]) -> tuple[str, ...]:
@@ -111,7 +116,7 @@ def gpu_plan() -> list[Run]:
     Run(
       "base_b128_xla_defaults",
       _flags(base, 128, *no_decode, common=common),
-      " ".join(console.GPU_XLA_DEFAULTS),
+      xla_defaults(),
     ),
     Run(
       "base_b128_loss_chunk57",
@@ -141,7 +146,7 @@ def dry_run_plan() -> list[Run]:
     Run(
       "tiny_b4_xla_defaults_loss_chunk4",
       _flags(tiny, 4, "--loss_chunk_length=4", "--skip=data,decode", common=common),
-      " ".join(console.GPU_XLA_DEFAULTS),
+      xla_defaults(),
     ),
   ]
 
@@ -367,6 +372,15 @@ def main(argv: Sequence[str]) -> int:
   parser.add_argument("--work_dir", default=None, help="caches, traces (default: a temp dir)")
   parser.add_argument("--only", default="", help="comma-separated run names (default: all)")
   args = parser.parse_args(argv)
+  check = subprocess.run([sys.executable, "-c", "import gin, flax, optax"], capture_output=True)
+  if check.returncode != 0:
+    print(
+      f"ERROR: {sys.executable} cannot import gin-config, flax or optax "
+      f"({check.stderr.decode().strip().splitlines()[-1]}); carry their wheels in .whl/ "
+      "and run tools/gpu_benchmark.sh (docs/performance.md)",
+      file=sys.stderr,
+    )
+    return 1
   plan = dry_run_plan() if args.dry_run else gpu_plan()
   if args.only:
     unknown = sorted(set(args.only.split(",")) - {run.name for run in plan})
@@ -378,15 +392,6 @@ def main(argv: Sequence[str]) -> int:
       )
       return 1
     plan = [run for run in plan if run.name in args.only.split(",")]
-  check = subprocess.run([sys.executable, "-c", "import gin, flax, optax"], capture_output=True)
-  if check.returncode != 0:
-    print(
-      f"ERROR: {sys.executable} cannot import gin-config, flax or optax "
-      f"({check.stderr.decode().strip().splitlines()[-1]}); carry their wheels in .whl/ "
-      "and run tools/gpu_benchmark.sh (docs/performance.md)",
-      file=sys.stderr,
-    )
-    return 1
   budget = args.budget_s or (300.0 if args.dry_run else 420.0)
   os.makedirs(args.out_dir, exist_ok=True)
   work_dir = args.work_dir or tempfile.mkdtemp(prefix="gpu_benchmark_")
