@@ -196,6 +196,45 @@ def test_other_kernel_sets_become_ratios_and_columns():
   assert "t5x_lite kernels: xla_cpu (--kernels)" in table
 
 
+def test_on_a_listed_device_mfu_is_over_the_data_sheet_and_the_matmul_second():
+  s = tiny_settings(compare_kernels=("reference",))
+  raw = {"train_step_s": 0.5, "jax_peak_flops": 1e11, "torch_peak_flops": 2e11}
+  raw |= {"kernels_reference_train_step_s": 1.0, "hf_train_step_s": 2.0, "t5x_train_step_s": 1.0}
+  raw |= {"t5x_peak_flops": 1e11, "kernels": "xla_gpu", "device_kind": "NVIDIA H100 80GB HBM3"}
+  raw |= {"datasheet_peak_flops": 4e11, "hf_datasheet_peak_flops": 8e11}
+  raw |= {"matmul_precision": "bfloat16"}
+  r = {**raw, **benchmark.derive(s, raw), "settings": {"compare_kernels": ["reference"]}}
+  step_flops = flops.flops_per_token(s.config, 16, 8) * 2 * (16 + 8)
+  assert r["train_mfu"] == pytest.approx(step_flops / 0.5 / 4e11)
+  assert r["train_mfu_measured_matmul"] == pytest.approx(step_flops / 0.5 / 1e11)
+  assert r["kernels_reference_train_mfu"] == pytest.approx(step_flops / 1.0 / 4e11)
+  assert r["hf_train_mfu"] == pytest.approx(step_flops / 2.0 / 8e11)  # torch's precision
+  assert r["hf_train_mfu_measured_matmul"] == pytest.approx(step_flops / 2.0 / 2e11)
+  assert r["t5x_train_mfu"] == pytest.approx(step_flops / 1.0 / 4e11)  # jax's, as ours
+  table = benchmark.format_table(r)
+  assert "train MFU, measured matmul" in table
+  assert "MFU: over the bfloat16 data-sheet peak of NVIDIA H100 80GB HBM3 (0.4 TFLOP/s)" in table
+  # On the CPU (no data-sheet peak): one MFU figure, over the measured matmul.
+  cpu = {k: v for k, v in raw.items() if "datasheet" not in k} | {"device_kind": "cpu"}
+  derived = benchmark.derive(s, cpu)
+  assert "train_mfu_measured_matmul" not in derived
+  assert derived["train_mfu"] == pytest.approx(step_flops / 0.5 / 1e11)
+  assert "train MFU, measured matmul" not in benchmark.format_table({**cpu, **derived})
+
+
+def test_data_sheet_peaks_by_device_and_precision(monkeypatch):
+  class H100:
+    platform, device_kind = "gpu", "NVIDIA H100 80GB HBM3"
+
+  monkeypatch.setattr(benchmark.jax, "devices", lambda *a: [H100()])
+  bf16 = benchmark.datasheet_peaks(tiny_settings(config=tiny_config(dtype="bfloat16")))
+  assert bf16 == {"matmul_precision": "bfloat16", "datasheet_peak_flops": 989e12}
+  f32 = benchmark.datasheet_peaks(tiny_settings())
+  assert f32 == {"matmul_precision": "tensorfloat32", "datasheet_peak_flops": 494.7e12}
+  monkeypatch.undo()
+  assert benchmark.datasheet_peaks(tiny_settings())["datasheet_peak_flops"] is None  # CPU
+
+
 def fake_interpreter(tmp_path: pathlib.Path, body: str) -> str:
   """An executable standing in for the T5X venv's python: a shell script running `body`."""
   path = tmp_path / "python"

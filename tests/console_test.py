@@ -203,3 +203,41 @@ def test_cpu_xla_flags_are_added_without_overriding_the_users():
   environ = {"XLA_FLAGS": chosen}
   assert console.add_cpu_xla_flags(environ) == []
   assert environ["XLA_FLAGS"] == chosen
+
+
+def test_gpu_xla_flags_are_added_on_a_gpu_machine_without_overriding_the_users():
+  ours = list(console.GPU_XLA_FLAGS)
+  environ = {"XLA_FLAGS": "--xla_dump_to=/tmp/x"}
+  assert console.add_gpu_xla_flags(environ) == ours
+  assert environ["XLA_FLAGS"].split() == ["--xla_dump_to=/tmp/x", *ours]
+  # XLA's own values, named by the user (a run without ours), stay as they are.
+  defaults = " ".join(console.GPU_XLA_DEFAULTS)
+  environ = {"XLA_FLAGS": defaults}
+  assert console.add_gpu_xla_flags(environ) == [] and environ["XLA_FLAGS"] == defaults
+  code = (
+    "import os\n"
+    "from t5x_lite.core import console\n"
+    "console.has_gpu = console.has_accelerator = lambda: True\n"
+    "choices = console.quiet_startup(import_tensorflow=False)\n"
+    "print(os.environ['XLA_FLAGS'])\n"
+    "print('|'.join(choices))\n"
+  )
+  result = _python(code, XLA_FLAGS="")
+  assert result.returncode == 0, result.stderr
+  flags, choices = result.stdout.splitlines()
+  assert flags.split() == ours  # and none of the CPU's
+  assert f"XLA_FLAGS += {' '.join(ours)}" in choices.split("|")
+  assert "JAX_PLATFORMS=cpu" not in choices
+
+
+@pytest.mark.parametrize("flags", ["GPU_XLA_FLAGS", "GPU_XLA_DEFAULTS"])
+def test_the_gpu_xla_flags_are_options_this_jaxlib_knows(flags):
+  """XLA aborts on an unknown option or value in XLA_FLAGS; the CPU jaxlib parses the
+  GPU options too, so a renamed one fails here before it fails on a GPU machine."""
+  value = " ".join(getattr(console, flags))
+  code = "import jax.numpy as jnp\nprint(float(jnp.ones(3).sum()))\n"
+  result = _python(code, XLA_FLAGS=value, JAX_PLATFORMS="cpu")
+  assert result.returncode == 0 and result.stdout.split() == ["3.0"], result.stderr[-2000:]
+  wrong = value.replace("+WHILE", "+LOOPS").replace("+FUSION", "+LOOPS")
+  bad = _python(code, XLA_FLAGS=wrong, JAX_PLATFORMS="cpu")
+  assert bad.returncode != 0  # so a bad value would have failed above

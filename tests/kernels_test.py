@@ -1,7 +1,8 @@
 """The kernel seam: `T5Config.kernels` selects a set, and every set computes the same network.
 
-'reference' is the plain math; 'xla_cpu' must agree with it to float tolerance on the
-loss, every gradient and the greedy and beam decodes of a tiny model.
+'reference' is the plain math; 'xla_cpu' and 'xla_gpu' (its attention through
+`jax.nn.dot_product_attention`, implementation='xla' on the CPU) must agree with it to
+float tolerance on the loss, every gradient and the greedy and beam decodes of a tiny model.
 """
 
 import dataclasses
@@ -14,7 +15,7 @@ import pytest
 
 from t5x_lite import models
 from t5x_lite.core.errors import ConfigError
-from t5x_lite.kernels import reference, registry, xla_cpu
+from t5x_lite.kernels import reference, registry, xla_cpu, xla_gpu
 from t5x_lite.kernels.base import CacheLayouts
 from t5x_lite.nn import decoder_only, network
 from tiny_models import tiny_config
@@ -31,7 +32,8 @@ def test_auto_resolves_to_xla_cpu_on_cpu_and_reference_elsewhere(monkeypatch):
   assert registry.select("auto") is xla_cpu.KERNELS
   assert registry.select("reference") is reference.KERNELS
   assert registry.select("xla_cpu") is xla_cpu.KERNELS
-  for backend in ("gpu", "tpu"):
+  assert registry.select("xla_gpu") is xla_gpu.KERNELS
+  for backend in ("gpu", "tpu"):  # 'gpu': until a GPU run shows xla_gpu faster
     monkeypatch.setattr(jax, "default_backend", lambda b=backend: b)
     assert registry.select("auto") is reference.KERNELS
 
@@ -95,6 +97,23 @@ def _run(config: network.T5Config, batch: dict[str, np.ndarray]) -> dict[str, np
   return {k: np.asarray(v, np.float32) for k, v in out.items()}
 
 
+def _packed_batch(rng: np.random.Generator) -> dict[str, np.ndarray]:
+  """Two examples packed in each row of `_batch`: segment ids (0 on padding) and positions."""
+  batch = _batch(rng)
+  batch["encoder_input_tokens"][0, 9:] = rng.integers(2, 64, 3)
+  for side, tokens, split in (
+    ("encoder", batch["encoder_input_tokens"], 8),
+    ("decoder", batch["decoder_target_tokens"], 4),
+  ):
+    length = tokens.shape[1]
+    ids = np.where(np.arange(length) < split, 1, 2) * (tokens > 0)  # [batch, length]
+    batch[f"{side}_segment_ids"] = ids.astype(np.int32)
+    positions = np.where(np.arange(length) < split, np.arange(length), np.arange(length) - split)
+    batch[f"{side}_positions"] = np.broadcast_to(positions, tokens.shape).astype(np.int32)
+  return batch
+
+
+@pytest.mark.parametrize("kernels", ["xla_cpu", "xla_gpu"])
 @pytest.mark.parametrize(
   "overrides, rtol",
   [
@@ -103,9 +122,9 @@ def _run(config: network.T5Config, batch: dict[str, np.ndarray]) -> dict[str, np
     ({"dtype": "bfloat16", "scan_layers": True, "remat_policy": "minimal"}, 3e-2),
   ],
 )
-def test_xla_cpu_agrees_with_reference_on_loss_gradients_and_decodes(overrides, rtol):
+def test_kernels_agree_with_reference_on_loss_gradients_and_decodes(kernels, overrides, rtol):
   batch = _batch(np.random.default_rng(0))
-  ours = _run(tiny_config(kernels="xla_cpu", **overrides), batch)
+  ours = _run(tiny_config(kernels=kernels, **overrides), batch)
   ref = _run(tiny_config(kernels="reference", **overrides), batch)
   assert ours.keys() == ref.keys()
   for name in ("greedy", "beam"):
@@ -116,7 +135,27 @@ def test_xla_cpu_agrees_with_reference_on_loss_gradients_and_decodes(overrides, 
     np.testing.assert_allclose(ours[name], want, rtol=rtol, atol=rtol * scale, err_msg=name)
 
 
-def test_xla_cpu_agrees_with_reference_in_a_prefilled_decoder_only_decode():
+@pytest.mark.parametrize("dtype, rtol", [("float32", 1e-5), ("bfloat16", 3e-2)])
+def test_xla_gpu_agrees_with_reference_on_a_packed_batch(dtype, rtol):
+  """Segment masks (packing) as biases of every attention, in training's loss and gradients."""
+  batch = _packed_batch(np.random.default_rng(2))
+  results = {}
+  for kernels in ("xla_gpu", "reference"):
+    model = _model(tiny_config(kernels=kernels, dtype=dtype))
+    params = nn.meta.unbox(model.init_params(jax.random.PRNGKey(0)))
+    loss_fn = jax.jit(jax.value_and_grad(lambda p, m=model: m.loss_fn(p, batch, None)[0]))
+    results[kernels] = loss_fn(params)
+  (loss, grads), (ref_loss, ref_grads) = results["xla_gpu"], results["reference"]
+  np.testing.assert_allclose(loss, ref_loss, rtol=rtol)
+  for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    np.testing.assert_allclose(
+      got, want, rtol=rtol, atol=rtol * max(float(np.abs(want).max()), 1e-6)
+    )
+
+
+@pytest.mark.parametrize("kernels", ["xla_cpu", "xla_gpu"])
+def test_kernels_agree_with_reference_in_a_prefilled_decoder_only_decode(kernels):
   config = tiny_config(num_encoder_layers=0, architecture="prefix_lm")
   rng = np.random.default_rng(1)
   tokens = rng.integers(2, 64, (3, 10)).astype(np.int32)
@@ -125,20 +164,20 @@ def test_xla_cpu_agrees_with_reference_in_a_prefilled_decoder_only_decode():
   prefix[2, :6] = 1
   batch = {"decoder_input_tokens": tokens, "decoder_causal_attention": prefix}
   decodes = {}
-  for kernels in ("xla_cpu", "reference"):
-    cfg = dataclasses.replace(config, kernels=kernels)
+  for name in (kernels, "reference"):
+    cfg = dataclasses.replace(config, kernels=name)
     model = models.DecoderOnlyModel(decoder_only.DecoderOnlyTransformer(cfg), _Vocab(), _Vocab())
     params = nn.meta.unbox(model.init_params(jax.random.PRNGKey(0)))
-    decodes[kernels] = jax.jit(
+    decodes[name] = jax.jit(
       lambda p, m=model: m.predict_batch_with_aux(p, batch, decoder_params={"max_decode_len": 5})
     )(params)
-  np.testing.assert_array_equal(decodes["xla_cpu"][0], decodes["reference"][0])
+  np.testing.assert_array_equal(decodes[kernels][0], decodes["reference"][0])
   np.testing.assert_allclose(
-    decodes["xla_cpu"][1]["scores"], decodes["reference"][1]["scores"], rtol=1e-5
+    decodes[kernels][1]["scores"], decodes["reference"][1]["scores"], rtol=1e-5
   )
 
 
-@pytest.mark.parametrize("kernels", ["reference", "xla_cpu"])
+@pytest.mark.parametrize("kernels", ["reference", "xla_cpu", "xla_gpu"])
 def test_the_decode_caches_take_the_kernels_layout(kernels):
   config = tiny_config(kernels=kernels)
   layouts = registry.select(kernels).cache

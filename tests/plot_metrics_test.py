@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from matplotlib import image
 
-from t5x_lite.training import metrics_logging, throughput
+from t5x_lite.training import metrics_logging
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "tools"))
@@ -47,6 +47,9 @@ def test_progress_line_has_step_loss_and_eta():
     "train", 12, 100, {"loss": 2.5, "throughput/mfu": 0.123}, eta_seconds=125
   )
   assert line == "train step 12/100 | loss 2.5000 | MFU 12.3% | ETA 2m05s"
+  with_second = {"throughput/mfu": 0.123, "throughput/mfu_measured_matmul": 0.2}
+  line = metrics_logging.progress_line("train", 12, 100, with_second, eta_seconds=None)
+  assert line == "train step 12/100 | MFU 12.3% | 20.0% of the measured matmul"
 
 
 @pytest.mark.slow
@@ -99,44 +102,6 @@ def test_relative_paths_and_bad_inputs(tmp_path, monkeypatch, capsys):
     with pytest.raises(SystemExit) as exit_:
       plot_metrics.main(argv)
     assert exit_.value.code == 1 and capsys.readouterr().err == message + "\n"
-
-
-def test_fastest_activation_dtype_is_bfloat16_only_where_native():
-  assert throughput.fastest_activation_dtype("gpu") == "bfloat16"
-  assert throughput.fastest_activation_dtype("tpu") == "bfloat16"
-  avx512_bf16 = frozenset({"avx2", "avx512f", "avx512_bf16"})
-  amx = frozenset({"avx512f", "amx_bf16", "amx_tile"})
-  avx2_only = frozenset({"avx2", "fma"})
-  assert throughput.fastest_activation_dtype("cpu", avx512_bf16) == "bfloat16"
-  assert throughput.fastest_activation_dtype("cpu", amx) == "bfloat16"
-  assert throughput.fastest_activation_dtype("cpu", avx2_only) == "float32"
-  assert throughput.fastest_activation_dtype("cpu", frozenset()) == "float32"
-
-
-def test_cpu_peak_is_measured_in_the_model_dtype():
-  # A bfloat16 model is measured against the bfloat16 matmul (MFU under 100% where
-  # the CPU multiplies bfloat16 faster than float32).
-  peak, source = throughput.device_peak_flops(dtype="bfloat16")
-  assert peak > 0 and source.startswith("bfloat16 matmul measured on")
-  assert throughput.device_peak_flops()[1].startswith("float32 matmul measured on")
-
-
-def test_peak_table_and_rates():
-  assert throughput.table_peak_flops("TPU v5 lite") == 197e12
-  assert throughput.table_peak_flops("TPU v5") == 459e12
-  assert throughput.table_peak_flops("NVIDIA H100 80GB HBM3") == 989e12
-  assert throughput.table_peak_flops("cpu") is None
-  rates = throughput.Throughput(
-    rows_per_step=8,
-    tokens_per_step=8 * 100,
-    flops_per_step=4e9,
-    num_devices=2,
-    peak_flops_per_device=1e10,
-  ).rates(steps=10, seconds=4.0)
-  assert rates["throughput/seqs_per_sec_per_device"] == pytest.approx(10.0)
-  assert rates["throughput/tokens_per_sec_per_device"] == pytest.approx(1000.0)
-  assert rates["throughput/mfu"] == pytest.approx(0.5)
-  assert rates["throughput/step_time_sec"] == pytest.approx(0.4)
 
 
 def _write_timed_run(model_dir) -> None:

@@ -11,9 +11,12 @@ Measures, after warm-up, the median over --reps repetitions of:
     each timed step follows --settle untimed steps of its own side, because in one
     process the first step after the other side's runs slow (ours by 0.7-1.4 s
     after torch's work, on a Zen 4 in bfloat16);
-  * MFU = model FLOP/s (`t5x_lite.nn.flops`) / peak matmul FLOP/s, the peak measured here
-    with a large matmul in the same dtype in jax (`throughput.measure_matmul_flops`, as
-    training does on CPU; used for our MFU) and torch (HF's);
+  * MFU = model FLOP/s (`t5x_lite.nn.flops`) / peak FLOP/s, as training logs it
+    (`t5x_lite.training.throughput`): over the device's data-sheet peak for the
+    precision the matmuls run at where the device is in `throughput.DATASHEET_PEAK_FLOPS`
+    (a GPU, a TPU), with MFU over a large matmul measured here in the same dtype
+    (`throughput.measure_matmul_flops` in jax for ours, torch for HF's) as the second
+    figure ('train_mfu_measured_matmul'); on CPU over the measured matmul alone;
   * greedy and beam decode tokens/s: exactly --decode_length new tokens per example
     (min = max length in both; HF `generate(use_cache=True)`), tokens counted once per
     input example (not per beam), encoder included;
@@ -32,6 +35,16 @@ decodes agree.
 HF runs in this process, on the same random weights (ours, written with
 `hf.save_hf`); torch uses as many threads as XLA's CPU backend (the cores this
 process may run on).
+
+`--loss_chunk_length=N` computes our loss N target positions at a time
+(`EncoderDecoderModel.loss_chunk_length`). `--compile_only` compiles our train steps
+(and decodes) and measures nothing: with JAX's persistent compilation cache
+(JAX_COMPILATION_CACHE_DIR) a later run loads them ('compile_cache_hits' counts the
+programs it loaded); tools/gpu_benchmark.sh compiles its runs so, in parallel, before
+timing them one at a time. `--profile_dir=DIR` traces --profile_steps train steps of
+each kernel set after the timing (`jax.profiler`, with a Perfetto trace.json.gz) into
+DIR/<kernels>/, beside the compiled program's HLO text (hlo.txt) that
+tools/profile_summary.py reads to name the top ops.
 
 `--compare_t5x=PYTHON` also measures Google's T5X (google-research/t5x with flaxformer):
 tools/t5x_peer_bench.py runs under PYTHON, the interpreter of a virtualenv with T5X
@@ -119,6 +132,16 @@ _DATA_TASK = flags.DEFINE_string(
 )
 _DATA_BATCHES = flags.DEFINE_integer("data_batches", 30, "Batches timed in the pipeline.")
 _SKIP = flags.DEFINE_list("skip", [], "Figures to skip: train, decode, data.")
+_LOSS_CHUNK = flags.DEFINE_integer(
+  "loss_chunk_length", None, "EncoderDecoderModel.loss_chunk_length of our model (None: whole)."
+)
+_COMPILE_ONLY = flags.DEFINE_bool(
+  "compile_only", False, "Compile our train steps and decodes, measure nothing (see above)."
+)
+_PROFILE_DIR = flags.DEFINE_string(
+  "profile_dir", None, "Trace our train steps of each kernel set here after timing them."
+)
+_PROFILE_STEPS = flags.DEFINE_integer("profile_steps", 3, "Train steps traced per kernel set.")
 _KERNELS = flags.DEFINE_list(
   "kernels",
   ["auto"],
@@ -159,6 +182,10 @@ class Settings:
     skip: figures not measured ('train', 'decode', 'data').
     compare_kernels: other `T5Config.kernels` sets measured beside the config's own
       (train and decode figures, keys prefixed 'kernels_<name>_').
+    loss_chunk_length: our model's `loss_chunk_length` (None: the whole logits).
+    compile_only: compile our programs (for a persistent cache), measure nothing.
+    profile_dir: trace `profile_steps` train steps per kernel set here ('' does not).
+    profile_steps: train steps traced per kernel set.
   """
 
   config: network.T5Config
@@ -180,6 +207,10 @@ class Settings:
   data_batches: int = 30
   skip: tuple[str, ...] = ()
   compare_kernels: tuple[str, ...] = ()
+  loss_chunk_length: int | None = None
+  compile_only: bool = False
+  profile_dir: str = ""
+  profile_steps: int = 3
 
 
 def time_median(fn: Callable[[], Any], reps: int, warmup: int) -> tuple[float, list[float]]:
@@ -261,16 +292,36 @@ class IdVocabulary:
   eos_id: int = 1
 
 
-def make_model(config: network.T5Config) -> models.EncoderDecoderModel:
+def make_model(
+  config: network.T5Config, loss_chunk_length: int | None = None
+) -> models.EncoderDecoderModel:
   """Our model over `IdVocabulary`."""
   vocab = IdVocabulary(config.vocab_size)
-  return models.EncoderDecoderModel(network.Transformer(config), vocab, vocab)
+  return models.EncoderDecoderModel(
+    network.Transformer(config), vocab, vocab, loss_chunk_length=loss_chunk_length
+  )
+
+
+@dataclasses.dataclass
+class OursTrain:
+  """Our train step, compiled and called once (`prepare_ours_train`).
+
+  Attributes:
+    run: one more step (None with `Settings.compile_only`: compiled, never called).
+    figures: compile figures ('train_compile_s', 'train_first_call_s').
+    compiled_text: the compiled step's HLO text (compiled again, or loaded from a
+      persistent compilation cache when one is on).
+  """
+
+  run: Callable[[], None] | None
+  figures: dict[str, float]
+  compiled_text: Callable[[], str]
 
 
 def prepare_ours_train(
   s: Settings, model: models.EncoderDecoderModel, params_out: dict
-) -> tuple[Callable[[], None], dict[str, float]]:
-  """Our real train step, compiled and called once: (one more step, compile figures).
+) -> OursTrain:
+  """Our real train step, compiled and called once (only compiled with `compile_only`).
 
   Stores the initial params (numpy) in params_out; the step raises if its loss is not
   finite.
@@ -297,11 +348,18 @@ def prepare_ours_train(
     if not np.isfinite(float(metrics["loss"])):  # also waits for the step
       raise RuntimeError("our train step produced a non-finite loss")
 
+  def compiled_text() -> str:
+    return step.lower(holder["state"], batch, rng).compile().as_text()
+
   start = time.perf_counter()
-  run()
+  if s.compile_only:
+    step.lower(state, batch, rng).compile()
+  else:
+    run()
   first_call = time.perf_counter() - start
   jax.monitoring.unregister_event_duration_listener(on_event)
-  return run, {"train_compile_s": sum(compile_seconds), "train_first_call_s": first_call}
+  figures = {"train_compile_s": sum(compile_seconds), "train_first_call_s": first_call}
+  return OursTrain(None if s.compile_only else run, figures, compiled_text)
 
 
 def measure_ours_decode(
@@ -320,6 +378,10 @@ def measure_ours_decode(
     )
   )
   out = {}
+  if s.compile_only:
+    for fn in (greedy, beam):
+      fn.lower(params, batch).compile()
+    return out
   for name, fn in (("greedy", greedy), ("beam", beam)):
     seconds, _ = time_median(
       lambda f=fn: jax.block_until_ready(f(params, batch)), s.reps, max(s.warmup, 1)
@@ -534,6 +596,9 @@ def _ratio(numerator: float | None, denominator: float | None) -> float | None:
 # The matmul peak each side's MFU is computed against (each measured in its own framework);
 # other kernel sets ('kernels_<name>_') are ours, against jax's.
 _PEAK_KEYS = {"": "jax_peak_flops", "hf_": "torch_peak_flops", "t5x_": "t5x_peak_flops"}
+# The data-sheet peak of each side's matmul precision (absent on CPU); T5X's runs in jax.
+_DATASHEET_KEYS = {"hf_": "hf_datasheet_peak_flops"}
+_CACHE_HIT = "/jax/compilation_cache/cache_hits"
 
 
 def _kernel_peers(compare_kernels: Sequence[str]) -> list[str]:
@@ -552,11 +617,14 @@ def derive(s: Settings, raw: dict[str, Any]) -> dict[str, Any]:
   peaks = {**_PEAK_KEYS, **{f"{k}_": "jax_peak_flops" for k in _kernel_peers(s.compare_kernels)}}
   for prefix, peak_key in peaks.items():
     step = raw.get(f"{prefix}train_step_s")
-    peak = raw.get(peak_key)
+    measured = raw.get(peak_key)
+    datasheet = raw.get(_DATASHEET_KEYS.get(prefix, "datasheet_peak_flops"))
     if step:
       out[f"{prefix}train_tokens_per_s"] = tokens_per_step / step
       out[f"{prefix}train_model_flops_per_s"] = flops_per_step / step
-      out[f"{prefix}train_mfu"] = _ratio(flops_per_step / step, peak)
+      out[f"{prefix}train_mfu"] = _ratio(flops_per_step / step, datasheet or measured)
+      if datasheet:
+        out[f"{prefix}train_mfu_measured_matmul"] = _ratio(flops_per_step / step, measured)
     for name in ("greedy", "beam"):
       if raw.get(f"{prefix}{name}_s"):
         out[f"{prefix}{name}_tokens_per_s"] = decoded / raw[f"{prefix}{name}_s"]
@@ -572,43 +640,134 @@ def derive(s: Settings, raw: dict[str, Any]) -> dict[str, Any]:
   return out
 
 
+def datasheet_peaks(s: Settings) -> dict[str, Any]:
+  """The data-sheet peaks MFU is taken against (`throughput.table_peak_flops`; None off
+  the table, e.g. on CPU): ours at jax's matmul precision, HF's at torch's."""
+  device = jax.devices()[0]
+  precision = throughput.matmul_precision(
+    s.config.dtype, device.platform, jax.config.jax_default_matmul_precision
+  )
+  out = {
+    "matmul_precision": precision,
+    "datasheet_peak_flops": throughput.table_peak_flops(device.device_kind, precision),
+  }
+  if s.compare_hf and _hf_device() != "cpu":
+    import torch
+
+    hf_precision = "bfloat16" if s.config.dtype == "bfloat16" else "float32"
+    if hf_precision == "float32" and torch.backends.cuda.matmul.allow_tf32:
+      hf_precision = "tensorfloat32"
+    out["hf_matmul_precision"] = hf_precision
+    out["hf_datasheet_peak_flops"] = throughput.table_peak_flops(device.device_kind, hf_precision)
+  return out
+
+
+def our_models(s: Settings) -> dict[str, models.EncoderDecoderModel]:
+  """Our model per figure-key prefix: '' with the config's kernels, 'kernels_<name>_'
+  with each other set."""
+  sets = {"": s.config.kernels}
+  sets |= {
+    f"{peer}_": name for peer, name in zip(_kernel_peers(s.compare_kernels), s.compare_kernels)
+  }
+  return {
+    prefix: make_model(dataclasses.replace(s.config, kernels=name), s.loss_chunk_length)
+    for prefix, name in sets.items()
+  }
+
+
+def _initial_params(model: models.EncoderDecoderModel) -> Any:
+  return jax.device_get(nn.meta.unbox(model.init_params(jax.random.PRNGKey(0))))
+
+
+def compile_ours(s: Settings, ours: dict[str, models.EncoderDecoderModel]) -> dict[str, Any]:
+  """`Settings.compile_only`: compiles each model's train step and decodes, times nothing."""
+  raw: dict[str, Any] = {}
+  for prefix, model in ours.items():
+    holder: dict[str, Any] = {}
+    if "train" not in s.skip:
+      raw.update({prefix + k: v for k, v in prepare_ours_train(s, model, holder).figures.items()})
+    if "decode" not in s.skip:
+      measure_ours_decode(s, model, holder.get("params") or _initial_params(model))
+  return raw
+
+
+def profile_ours(s: Settings, trains: dict[str, OursTrain]) -> dict[str, str]:
+  """Traces `profile_steps` steps of each train step into profile_dir/<kernels>/, with
+  its compiled HLO text as hlo.txt (for tools/profile_summary.py)."""
+  out = {}
+  for prefix, train in trains.items():
+    name = prefix[len("kernels_") : -1] if prefix else registry.select(s.config.kernels).name
+    folder = os.path.join(s.profile_dir, name)
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, "hlo.txt"), "w") as f:
+      f.write(train.compiled_text())
+    with jax.profiler.trace(folder, create_perfetto_trace=True):
+      for _ in range(s.profile_steps):
+        train.run()
+    out[f"{prefix}profile_dir"] = folder
+  return out
+
+
 def run_benchmark(s: Settings) -> dict[str, Any]:
   """Measures every figure of `s`; returns one flat dict (raw and derived)."""
-  dtype = jax.numpy.dtype(s.config.dtype)
   raw: dict[str, Any] = {
     "backend": jax.default_backend(),
     "device_kind": jax.devices()[0].device_kind,
     "num_devices": jax.device_count(),
     "threads": s.threads,
     "dtype": s.config.dtype,
+    "kernels": registry.select(s.config.kernels).name,
+    "xla_flags": os.environ.get("XLA_FLAGS", ""),
     "config": dataclasses.asdict(s.config),
     "settings": {k: v for k, v in dataclasses.asdict(s).items() if k != "config"},
   }
+  hits: list[str] = []
+
+  def on_cache_hit(event: str, **kwargs: Any) -> None:
+    del kwargs
+    if event == _CACHE_HIT:
+      hits.append(event)
+
+  jax.monitoring.register_event_listener(on_cache_hit)
+  try:
+    if s.compile_only:
+      raw.update(compile_ours(s, our_models(s)))
+    else:
+      raw.update(measure(s))
+  finally:
+    jax.monitoring.unregister_event_listener(on_cache_hit)
+  raw["compile_cache_hits"] = len(hits)
+  raw["max_rss_mib"] = max_rss_mib()
+  return raw if s.compile_only else {**raw, **derive(s, raw)}
+
+
+def measure(s: Settings) -> dict[str, Any]:
+  """The raw figures of `s` (`run_benchmark` without compile_only)."""
+  raw: dict[str, Any] = {}
   if s.compare_t5x:  # first: a peer that cannot run fails before the long measurements
     raw.update(run_t5x_peer(s))
+  dtype = jax.numpy.dtype(s.config.dtype)
   raw["jax_peak_flops"] = throughput.measure_matmul_flops(s.matmul_size, dtype, s.reps)
-  raw["kernels"] = registry.select(s.config.kernels).name
-  model = make_model(s.config)
+  raw.update(datasheet_peaks(s))
   # by key prefix: "" ours, "kernels_<name>_" ours with other kernels, "hf_"
-  others = {
-    f"{peer}_": make_model(dataclasses.replace(s.config, kernels=name))
-    for peer, name in zip(_kernel_peers(s.compare_kernels), s.compare_kernels)
-  }
+  ours = our_models(s)
+  model = ours[""]
   holder: dict[str, Any] = {}
-  train_steps: dict[str, Callable[[], None]] = {}
+  trains: dict[str, OursTrain] = {}
   if "train" not in s.skip:
-    train_steps[""], compile_figures = prepare_ours_train(s, model, holder)
-    raw.update(compile_figures)
-    for prefix, other in others.items():
-      train_steps[prefix], compile_figures = prepare_ours_train(s, other, {})
-      raw.update({prefix + k: v for k, v in compile_figures.items()})
+    for prefix, other in ours.items():
+      trains[prefix] = prepare_ours_train(s, other, holder if not prefix else {})
+      raw.update({prefix + k: v for k, v in trains[prefix].figures.items()})
   else:
-    holder["params"] = jax.device_get(nn.meta.unbox(model.init_params(jax.random.PRNGKey(0))))
+    holder["params"] = _initial_params(model)
+  train_steps = {prefix: train.run for prefix, train in trains.items()}
   raw["num_params"] = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(holder["params"]))
   if "decode" not in s.skip:
     ours_decode = measure_ours_decode(s, model, holder["params"])
     raw.update({k: v for k, v in ours_decode.items() if k.endswith("_s")})
-    for prefix, other in others.items():
+    for prefix, other in ours.items():
+      if not prefix:
+        continue
       decoded = measure_ours_decode(s, other, holder["params"])
       raw.update({prefix + k: v for k, v in decoded.items() if k.endswith("_s")})
       agreement = np.mean(decoded["greedy_tokens"] == ours_decode["greedy_tokens"])
@@ -632,10 +791,11 @@ def run_benchmark(s: Settings) -> dict[str, Any]:
       train_steps["hf_"] = prepare_hf_train(s, hf_model)
   for prefix, (seconds, times) in time_in_turn(train_steps, s.reps, s.warmup, s.settle).items():
     raw[f"{prefix}train_step_s"], raw[f"{prefix}train_step_times_s"] = seconds, times
+  if s.profile_dir and trains:
+    raw.update(profile_ours(s, trains))
   if s.data_task and "data" not in s.skip:
     raw.update(measure_data(s))
-  raw["max_rss_mib"] = max_rss_mib()
-  return {**raw, **derive(s, raw)}
+  return raw
 
 
 # label, our figure (a peer's has its prefix; the peak has a key per side), ratio stem.
@@ -683,7 +843,10 @@ def format_table(r: dict[str, Any]) -> str:
     f"{'':26}{'t5x_lite':>14}"
     + "".join(f"{n:>14}{'ours/' + a:>{w}}" for (n, a, _), w in zip(peers, widths))
   ]
-  for label, key, ratio in _ROWS:
+  rows = list(_ROWS)
+  if r.get("datasheet_peak_flops"):
+    rows.insert(2, ("train MFU, measured matmul", "train_mfu_measured_matmul", None))
+  for label, key, ratio in rows:
     scale = 1e-9 if "GFLOP" in label else 1.0
     line = f"{label:26}"
     for prefix, w in zip([""] + [f"{p}_" for _, _, p in peers], [0] + widths):
@@ -697,6 +860,7 @@ def format_table(r: dict[str, Any]) -> str:
   lines += [f"{label:26}{_fmt(r.get(key)):>14}" for label, key in _EXTRAS if key in r]
   if "kernels" in r:
     lines.append(f"t5x_lite kernels: {r['kernels']} (--kernels)")
+  lines.append(mfu_note(r))
   if "t5x_one_hot" in r:
     embedding = "one-hot (--t5x_one_hot)" if r["t5x_one_hot"] else "gather (--t5x_one_hot=false)"
     gin_file, bindings = r["t5x_gin_file"].split("/")[-1], r["t5x_gin_bindings"]
@@ -704,6 +868,19 @@ def format_table(r: dict[str, Any]) -> str:
     lines.append(f"T5X: {gin_file} + {count} gin bindings (--json: t5x_gin_bindings)")
     lines.append(f"T5X: {embedding} embedding, its own random weights, our XLA_FLAGS")
   return "\n".join(lines)
+
+
+def mfu_note(r: dict[str, Any]) -> str:
+  """What the MFU rows are taken against, in one line."""
+  peak = r.get("datasheet_peak_flops")
+  if not peak:
+    return (
+      f"MFU: over the matmul measured in this run (no data-sheet peak for {r.get('device_kind')})"
+    )
+  return (
+    f"MFU: over the {r['matmul_precision']} data-sheet peak of {r['device_kind']} "
+    f"({peak / 1e12:g} TFLOP/s); 'measured matmul': over the matmul measured in this run"
+  )
 
 
 def _resolve_dtype(name: str) -> str:
@@ -747,9 +924,16 @@ def main(argv: Sequence[str]) -> None:
     data_batches=_DATA_BATCHES.value,
     skip=tuple(_SKIP.value),
     compare_kernels=tuple(compare_kernels),
+    loss_chunk_length=_LOSS_CHUNK.value,
+    compile_only=_COMPILE_ONLY.value,
+    profile_dir=_PROFILE_DIR.value or "",
+    profile_steps=_PROFILE_STEPS.value,
   )
   result = run_benchmark(settings)
-  print(format_table(result))
+  if settings.compile_only:
+    print(f"compiled; {result['compile_cache_hits']} programs loaded from the compilation cache")
+  else:
+    print(format_table(result))
   if _JSON.value:
     with open(_JSON.value, "w") as f:
       json.dump(result, f, indent=2, sort_keys=True)

@@ -4,9 +4,9 @@ Importing this module changes nothing. An entry point (train, eval, infer, the t
 calls `quiet_startup()` as its first statement, before TensorFlow or JAX load;
 `quiet_library_logs()` (from `t5x_lite.cli.setup` or the tool) then logs what it chose
 (`startup_choices()`) as one INFO line. A library user who imports t5x_lite from
-Python gets none of it: the process stays as they made it; `add_cpu_xla_flags()`,
-called before JAX starts, gives a Python process the XLA options the entry points
-compile with on a CPU machine.
+Python gets none of it: the process stays as they made it; `add_cpu_xla_flags()` or
+`add_gpu_xla_flags()`, called before JAX starts, gives a Python process the XLA options
+the entry points compile with on a CPU or GPU machine.
 
 `quiet_startup()`:
 
@@ -23,6 +23,10 @@ compile with on a CPU machine.
   - XLA_FLAGS gains `CPU_XLA_FLAGS` (the options the `xla_cpu` kernels were tuned
     under), only when no accelerator device file exists and XLA_FLAGS does not name
     them; a value of yours for either option wins.
+  - XLA_FLAGS gains `GPU_XLA_FLAGS` (the latency-hiding scheduler, command buffers for
+    loops), only when a GPU device file exists (`GPU_DEVICES`); a value of yours for
+    either option wins, so XLA_FLAGS holding `GPU_XLA_DEFAULTS` runs with XLA's own
+    choices (tools/gpu_benchmark.sh measures both).
   - JAX_COMPILATION_CACHE_DIR=<cache directory>/jax_compilation_cache
     (`compilation_cache_dir`; the cache directory is $T5X_LITE_CACHE, else
     ~/.cache/t5x_lite): JAX's persistent compilation cache, so a program that took a
@@ -96,6 +100,27 @@ TENSORFLOW_IMPORT_NOISE = (
 CPU_XLA_FLAGS = (
   "--xla_cpu_experimental_ynn_fusion_type=-reduce",
   "--xla_disable_hlo_passes=tree_reduction_rewriter",
+)
+# GPU device files (NVIDIA, WSL, AMD): where quiet_startup adds GPU_XLA_FLAGS.
+GPU_DEVICES = ("/dev/nvidia[0-9]*", "/dev/dxg", "/dev/kfd")
+# XLA:GPU options of the entry points on a GPU machine (`quiet_startup`), the two the
+# JAX-on-GPU anchors set (NVIDIA's JAX containers, MaxText's GPU recipes):
+# - the latency-hiding scheduler orders the program so that asynchronous work
+#   (collectives, copies) overlaps compute; XLA's default is off;
+# - command buffers (CUDA graphs) for loops too: XLA records fusions and library calls
+#   into CUDA graphs by default; '+WHILE,+CONDITIONAL' adds while loops and conditionals
+#   (decoding's token loop, scanned layers), launched as one graph instead of kernel
+#   by kernel from the host.
+# Whether they help T5 here is for tools/gpu_benchmark.sh to show (with and without).
+GPU_XLA_FLAGS = (
+  "--xla_gpu_enable_latency_hiding_scheduler=true",
+  "--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL",
+)
+# The same options at XLA's own values ('+FUSION' adds a type already in XLA's default
+# list, i.e. leaves the list as it is): in XLA_FLAGS, a run without GPU_XLA_FLAGS.
+GPU_XLA_DEFAULTS = (
+  "--xla_gpu_enable_latency_hiding_scheduler=false",
+  "--xla_gpu_enable_command_buffer=+FUSION",
 )
 MALLOC_HUGE_PAGES = "glibc.malloc.hugetlb=1"
 TRANSPARENT_HUGE_PAGES = "/sys/kernel/mm/transparent_hugepage/enabled"
@@ -176,18 +201,36 @@ def has_accelerator() -> bool:
   return any(glob.glob(pattern) for pattern in ACCELERATOR_DEVICES)
 
 
-def add_cpu_xla_flags(environ: MutableMapping[str, str] | None = None) -> list[str]:
-  """Appends the `CPU_XLA_FLAGS` that XLA_FLAGS does not name yet; returns those added.
+def has_gpu() -> bool:
+  """Whether a GPU device file (`GPU_DEVICES`) exists."""
+  return any(glob.glob(pattern) for pattern in GPU_DEVICES)
 
-  Takes effect only before JAX starts its backends. `quiet_startup` calls it on a
-  machine without accelerators; Python code calls it first to compile as they do.
+
+def add_xla_flags(
+  flags: Sequence[str], environ: MutableMapping[str, str] | None = None
+) -> list[str]:
+  """Appends the `flags` whose options XLA_FLAGS does not name yet; returns those added.
+
+  Takes effect only before JAX starts its backends.
   """
   environ = os.environ if environ is None else environ
   current = environ.get("XLA_FLAGS", "")
-  added = [flag for flag in CPU_XLA_FLAGS if flag.split("=")[0] + "=" not in current]
+  added = [flag for flag in flags if flag.split("=")[0] + "=" not in current]
   if added:
     environ["XLA_FLAGS"] = " ".join([current.strip(), *added]).strip()
   return added
+
+
+def add_cpu_xla_flags(environ: MutableMapping[str, str] | None = None) -> list[str]:
+  """`add_xla_flags(CPU_XLA_FLAGS)`: what `quiet_startup` adds on a machine without
+  accelerators; Python code calls it first to compile as the entry points do."""
+  return add_xla_flags(CPU_XLA_FLAGS, environ)
+
+
+def add_gpu_xla_flags(environ: MutableMapping[str, str] | None = None) -> list[str]:
+  """`add_xla_flags(GPU_XLA_FLAGS)`: what `quiet_startup` adds on a GPU machine;
+  Python code calls it first to compile as the entry points do."""
+  return add_xla_flags(GPU_XLA_FLAGS, environ)
 
 
 def default_environment(
@@ -294,10 +337,10 @@ def quiet_startup(import_tensorflow: bool = True, compilation_cache: bool = True
   for name, value in defaults.items():
     reason = " (no accelerator device file)" if name == "JAX_PLATFORMS" else ""
     _CHOICES.append(f"{name}={value}{reason}")
-  if not has_accelerator():
-    added = add_cpu_xla_flags()
-    if added:
-      _CHOICES.append(f"XLA_FLAGS += {' '.join(added)}")
+  added = add_cpu_xla_flags() if not has_accelerator() else []
+  added += add_gpu_xla_flags() if has_gpu() else []
+  if added:
+    _CHOICES.append(f"XLA_FLAGS += {' '.join(added)}")
   if import_tensorflow and "tensorflow" not in sys.modules:
     if user_log_level:
       import tensorflow  # noqa: F401

@@ -15,11 +15,14 @@ from collections.abc import Iterator
 
 import jax
 
-from t5x_lite.kernels import reference, xla_cpu
+from t5x_lite.kernels import reference, xla_cpu, xla_gpu
 from t5x_lite.kernels.base import Kernels
 
-KERNELS: dict[str, Kernels] = {k.name: k for k in (reference.KERNELS, xla_cpu.KERNELS)}
+KERNELS: dict[str, Kernels] = {
+  k.name: k for k in (reference.KERNELS, xla_cpu.KERNELS, xla_gpu.KERNELS)
+}
 # The set 'auto' picks per backend (`jax.default_backend()`); other backends: 'reference'.
+# 'gpu' stays 'reference' until tools/gpu_benchmark.sh shows 'xla_gpu' faster there.
 AUTO: dict[str, str] = {'cpu': 'xla_cpu'}
 # The values `T5Config.kernels` accepts.
 NAMES: tuple[str, ...] = ('auto', *KERNELS)

@@ -76,7 +76,8 @@ class T5Config:
       encoder layers.
     kernels: the backend implementations the layers compute with
       (`t5x_lite.kernels.registry`): 'reference' (the plain math, every backend),
-      'xla_cpu' (tuned for XLA:CPU), or 'auto', the set for the backend jax runs on
+      'xla_cpu' (tuned for XLA:CPU), 'xla_gpu' (fused attention, cuDNN's on a GPU),
+      or 'auto', the set for the backend jax runs on
       (`registry.AUTO`: XLA:CPU's on CPU, else the reference). Every set computes the
       same network to float rounding; the decode caches' layout is the set's.
   """

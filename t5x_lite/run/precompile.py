@@ -78,9 +78,9 @@ class TpuGeneration:
 
   @property
   def peak_flops(self) -> float:
-    """Peak bfloat16 matmul FLOP/s per chip (`throughput.PEAK_BF16_FLOPS`)."""
+    """Peak bfloat16 matmul FLOP/s per chip (`throughput.DATASHEET_PEAK_FLOPS`)."""
     peak = throughput.table_peak_flops(f"TPU {self.name}")
-    assert peak is not None, f"TPU {self.name} is missing from throughput.PEAK_BF16_FLOPS"
+    assert peak is not None, f"TPU {self.name} is missing from throughput.DATASHEET_PEAK_FLOPS"
     return peak
 
 

@@ -290,14 +290,15 @@ class _Loop:
     # A decoder-only model's inputs are inside its decoder_target_tokens.
     inputs, targets = lengths.get("encoder_input_tokens", 0), lengths["decoder_target_tokens"]
     tokens = dataset_cfg.batch_size * (inputs + targets)
-    peak, source = throughput.device_peak_flops(dtype=model.network_config.dtype)
-    logging.info("Peak FLOP/s per device for MFU: %.3g (%s)", peak, source)
+    peaks = throughput.device_peak_flops(dtype=model.network_config.dtype)
+    logging.info("Peak FLOP/s per device for MFU: %s", peaks.describe())
     self.throughput = throughput.Throughput(
       rows_per_step=dataset_cfg.batch_size,
       tokens_per_step=tokens,
       flops_per_step=model.train_flops_per_step(dataset_cfg.batch_size, inputs, targets),
       num_devices=setup.partitioner.mesh.devices.size,
-      peak_flops_per_device=peak,
+      peak_flops_per_device=peaks.flops,
+      measured_peak_flops_per_device=peaks.measured_flops,
     )
     self.eval: tuple[pipeline.DatasetConfig, int, int, Any] | None = None
     # (period, fn(params, step) -> scalars): seqio evaluation, see `eval_lib`.

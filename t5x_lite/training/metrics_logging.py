@@ -59,6 +59,7 @@ def progress_line(
     "grad_norm": "|g| {:.3f}",
     "throughput/tokens_per_sec_per_device": "{:,.0f} tok/s/dev",
     "throughput/mfu": "MFU {:.1%}",
+    "throughput/mfu_measured_matmul": "{:.1%} of the measured matmul",
   }
   parts += [fmt.format(scalars[k]) for k, fmt in formats.items() if k in scalars]
   if eta_seconds is not None:

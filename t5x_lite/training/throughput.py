@@ -2,19 +2,20 @@
 
 MFU = model FLOPs per second achieved per device / peak FLOP/s of the device.
 Model FLOPs come from `t5x_lite.nn.flops.flops_per_token` (forward + backward of
-the network's matmuls, no rematerialisation); the peak comes from, in order:
+the network's matmuls, no rematerialisation). Two peaks (`device_peak_flops`):
 
-1. `device_peak_flops.override` (gin), e.g. for a device missing below;
-2. `PEAK_BF16_FLOPS` for TPUs and NVIDIA GPUs: dense bf16 matmul peaks from
-  the vendors' spec sheets (per chip / per GPU, no sparsity). MFU against the
-  bf16 peak is the usual convention even for float32 runs;
-3. on CPU (or an unknown device): a matmul in the model's activation dtype
-  measured at startup on the first device (`measure_matmul_flops`, the same
-  measurement as tools/benchmark.py's), i.e. what XLA's CPU backend actually
-  reaches on this machine: a bfloat16 model on a CPU with native bfloat16 is
-  measured against the bfloat16 matmul, not the slower float32 one. With
-  several (fake) CPU devices on one host they share those cores, so per-device
-  MFU there is an upper bound.
+1. the figure `throughput/mfu` is taken against, as the field reports MFU (MaxText,
+   llm.c, nanoGPT, PaLM): `device_peak_flops.override` (gin) if set, else the
+   device's data-sheet peak for the precision its matmuls run in
+   (`DATASHEET_PEAK_FLOPS`, `matmul_precision`), else (on CPU, or a device or
+   precision missing from the table) the measured matmul below;
+2. a matmul in the model's activation dtype measured at startup on the first
+   device (`measure_matmul_flops`, the same measurement as tools/benchmark.py's),
+   i.e. what XLA actually reaches there: on CPU the MFU figure itself (a bfloat16
+   model on a CPU with native bfloat16 is measured against the bfloat16 matmul),
+   elsewhere the second figure, `throughput/mfu_measured_matmul`. With several
+   (fake) CPU devices on one host they share those cores, so per-device MFU there
+   is an upper bound.
 """
 
 from __future__ import annotations
@@ -27,18 +28,33 @@ import gin
 import jax
 import jax.numpy as jnp
 
-# device_kind substring -> dense bf16 peak FLOP/s per device. Longest match wins.
-PEAK_BF16_FLOPS: dict[str, float] = {
-  "TPU v4": 275e12,
-  "TPU v5 lite": 197e12,  # v5e
-  "TPU v5e": 197e12,
-  "TPU v5p": 459e12,
-  "TPU v5": 459e12,  # v5p reports "TPU v5"
-  "TPU v6 lite": 918e12,  # v6e (Trillium)
-  "TPU v6e": 918e12,
-  "A100": 312e12,
-  "H100": 989e12,  # SXM; PCIe parts peak at 756e12
-  "H200": 989e12,
+# Dense (no sparsity) peak FLOP/s per device (TPU chip, GPU) by the precision its matrix
+# units run at; no timings. Sources, by key:
+# - TPU: the Cloud TPU system architecture pages (v4, v5e, v5p, v6e), bf16 per chip.
+# - A100: NVIDIA A100 Tensor Core GPU data sheet (same figures for SXM and PCIe).
+# - H100: NVIDIA H100 Tensor Core GPU data sheet (SXM, NVL and PCIe columns), whose
+#   tensor figures are with 2:4 sparsity, halved here; TF32 494.7 for the SXM from the
+#   NVIDIA H100 Tensor Core GPU Architecture whitepaper.
+# - H200: NVIDIA H200 Tensor Core GPU data sheet (SXM and NVL), halved likewise.
+# Keys are `jax.Device.device_kind` strings or parts of them (the longest key inside a
+# kind wins): jax reports 'TPU v4', 'TPU v5 lite' (v5e), 'TPU v5' or 'TPU v5p',
+# 'TPU v6 lite' (v6e), and an NVIDIA GPU's CUDA name, e.g. 'NVIDIA A100-SXM4-80GB',
+# 'NVIDIA H100 80GB HBM3' (the SXM part), 'NVIDIA H100 PCIe', 'NVIDIA H200'. Other
+# GPUs (e.g. 'NVIDIA GH200 480GB') are absent, and their MFU is over the measured matmul.
+DATASHEET_PEAK_FLOPS: dict[str, dict[str, float]] = {
+  "TPU v4": {"bfloat16": 275e12},
+  "TPU v5 lite": {"bfloat16": 197e12},  # v5e
+  "TPU v5e": {"bfloat16": 197e12},
+  "TPU v5": {"bfloat16": 459e12},  # v5p
+  "TPU v5p": {"bfloat16": 459e12},
+  "TPU v6 lite": {"bfloat16": 918e12},  # v6e (Trillium)
+  "TPU v6e": {"bfloat16": 918e12},
+  "A100": {"bfloat16": 312e12, "tensorfloat32": 156e12, "float32": 19.5e12},
+  "NVIDIA H100 80GB HBM3": {"bfloat16": 989e12, "tensorfloat32": 494.7e12, "float32": 67e12},
+  "NVIDIA H100 NVL": {"bfloat16": 835.5e12, "tensorfloat32": 417.5e12, "float32": 60e12},
+  "NVIDIA H100 PCIe": {"bfloat16": 756.5e12, "tensorfloat32": 378e12, "float32": 51e12},
+  "NVIDIA H200": {"bfloat16": 989e12, "tensorfloat32": 494.7e12, "float32": 67e12},  # SXM
+  "NVIDIA H200 NVL": {"bfloat16": 835.5e12, "tensorfloat32": 417.5e12, "float32": 60e12},
 }
 
 
@@ -84,26 +100,61 @@ def fastest_activation_dtype(
   return "bfloat16" if native else "float32"
 
 
-def table_peak_flops(device_kind: str) -> float | None:
-  """Peak bf16 FLOP/s for a `jax.Device.device_kind`, or None if not listed."""
-  matches = [k for k in PEAK_BF16_FLOPS if k.lower() in device_kind.lower()]
+def matmul_precision(dtype: str | jnp.dtype, platform: str, default_precision: str | None) -> str:
+  """The precision a model's matmuls run at: the `DATASHEET_PEAK_FLOPS` column of its MFU.
+
+  bfloat16 (float16) activations: their own. float32 at jax's default precision: TF32
+  on a GPU, one bfloat16 pass on a TPU (the JAX documentation's "Matmul precision"
+  page), float32 on a CPU; `jax_default_matmul_precision` set to 'float32' or 'highest'
+  makes it float32, to 'tensorfloat32' or 'high' TF32 on a GPU and several bfloat16
+  passes on a TPU ('bfloat16_3x', a column no data sheet gives).
+
+  Args:
+    dtype: the model's activation dtype.
+    platform: the device's platform ('cpu', 'gpu', 'tpu').
+    default_precision: `jax.config.jax_default_matmul_precision` (None: the default).
+
+  Returns:
+    'bfloat16', 'float16', 'tensorfloat32', 'bfloat16_3x', 'float32', or the
+    precision's own name where it names a dot algorithm.
+  """
+  name = jnp.dtype(dtype).name
+  if name != "float32":
+    return name
+  precision = (default_precision or "default").lower()
+  if precision in ("default", "fastest", "bfloat16"):
+    if platform == "tpu" or precision == "bfloat16":
+      return "bfloat16"
+    return "tensorfloat32" if platform == "gpu" else "float32"
+  if precision in ("tensorfloat32", "high"):
+    return "bfloat16_3x" if platform == "tpu" else "tensorfloat32"
+  if precision in ("float32", "highest"):
+    return "float32"
+  return precision
+
+
+def table_peak_flops(device_kind: str, precision: str = "bfloat16") -> float | None:
+  """Data-sheet peak FLOP/s of a `jax.Device.device_kind` at `precision` (a
+  `matmul_precision` value), or None where the table has no figure."""
+  matches = [k for k in DATASHEET_PEAK_FLOPS if k.lower() in device_kind.lower()]
   if not matches:
     return None
-  return PEAK_BF16_FLOPS[max(matches, key=len)]
+  return DATASHEET_PEAK_FLOPS[max(matches, key=len)].get(precision)
 
 
 def measure_matmul_flops(
-  size: int = 1024, dtype: jnp.dtype = jnp.float32, repeats: int = 10, warmup: int = 2
+  size: int | None = None, dtype: jnp.dtype = jnp.float32, repeats: int = 10, warmup: int = 2
 ) -> float:
   """Measured matmul FLOP/s on the first device (median of `repeats` timed runs).
 
-  The peak that MFU is computed against here and in tools/benchmark.py. The
-  product of two random [size, size] matrices of `dtype` accumulates in
-  float32, as matmul units do: XLA:CPU's bf16-output dot is about 4x slower
-  than bf16 inputs with a float32 result, which understated the bf16 peak.
+  The MFU peak on CPU and the second figure elsewhere, here and in
+  tools/benchmark.py. The product of two random [size, size] matrices of `dtype`
+  accumulates in float32, as matmul units do: XLA:CPU's bf16-output dot is about 4x
+  slower than bf16 inputs with a float32 result, which understated the bf16 peak.
 
   Args:
-    size: square matrix size.
+    size: square matrix size; None: 1024 on a CPU, 8192 on an accelerator (where a
+      smaller product is too short to keep the matrix units busy).
     dtype: input dtype (the model's activation dtype).
     repeats: timed runs.
     warmup: untimed runs before timing (the first one compiles).
@@ -112,6 +163,8 @@ def measure_matmul_flops(
     FLOP/s of `size x size @ size x size` (2 * size**3 FLOPs per run).
   """
   device = jax.devices()[0]
+  if size is None:
+    size = 1024 if device.platform == "cpu" else 8192
   x, y = jax.device_put(
     jax.random.normal(jax.random.PRNGKey(0), (2, size, size), dtype), device
   )  # 2 x [size, size]
@@ -126,27 +179,62 @@ def measure_matmul_flops(
   return 2.0 * size**3 / statistics.median(times)
 
 
+@dataclasses.dataclass(frozen=True)
+class PeakFlops:
+  """The peaks MFU is reported against (see the module docstring).
+
+  Attributes:
+    flops: FLOP/s of `throughput/mfu`: the override, the data-sheet peak, or else the
+      measured matmul.
+    source: where `flops` comes from, for the logs.
+    measured_flops: the measured matmul's FLOP/s where `flops` is not it (the second
+      figure, `throughput/mfu_measured_matmul`), else None.
+    measured_source: what was measured, for the logs ('' where nothing was).
+  """
+
+  flops: float
+  source: str
+  measured_flops: float | None = None
+  measured_source: str = ""
+
+  def describe(self) -> str:
+    """One log line: both peaks and their sources."""
+    line = f"{self.flops:.3g} ({self.source})"
+    if self.measured_flops is not None:
+      line += f"; second figure: {self.measured_flops:.3g} ({self.measured_source})"
+    return line
+
+
 @gin.configurable
 def device_peak_flops(
   override: float | None = None, dtype: str | jnp.dtype = "float32"
-) -> tuple[float, str]:
-  """Peak FLOP/s of one device of this process and where the number comes from.
+) -> PeakFlops:
+  """Peak FLOP/s of one device of this process, where they come from, and the measured matmul.
 
   Args:
-    override: a value to use instead of the table / measurement.
-    dtype: the model's activation dtype: the dtype of the measured matmul.
+    override: a value to use instead of the data sheet (e.g. for a device missing from
+      `DATASHEET_PEAK_FLOPS`); the matmul is still measured, as the second figure.
+    dtype: the model's activation dtype: the measured matmul's, and with the default
+      matmul precision the data-sheet column (`matmul_precision`).
 
   Returns:
-    (peak FLOP/s, source description for the logs).
+    The `PeakFlops`.
   """
-  kind = jax.devices()[0].device_kind
-  if override:
-    return float(override), "gin device_peak_flops.override"
-  peak = table_peak_flops(kind)
-  if peak is not None:
-    return peak, f"bf16 spec-sheet peak of {kind}"
+  device = jax.devices()[0]
   name = jnp.dtype(dtype).name
-  return measure_matmul_flops(dtype=jnp.dtype(dtype)), f"{name} matmul measured on {kind}"
+  measured_source = f"{name} matmul measured on {device.device_kind}"
+  measured = measure_matmul_flops(dtype=jnp.dtype(dtype))
+  if override:
+    return PeakFlops(float(override), "gin device_peak_flops.override", measured, measured_source)
+  # jax.config sets its flags as attributes at run time; its stub has none of them.
+  default_precision = jax.config.jax_default_matmul_precision  # pyright: ignore[reportAttributeAccessIssue]
+  precision = matmul_precision(dtype, device.platform, default_precision)
+  peak = table_peak_flops(device.device_kind, precision)
+  if peak is None:
+    return PeakFlops(measured, measured_source)
+  return PeakFlops(
+    peak, f"{precision} data-sheet peak of {device.device_kind}", measured, measured_source
+  )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,7 +246,9 @@ class Throughput:
     tokens_per_step: rows * (input_len + target_len): token positions per step.
     flops_per_step: model FLOPs of one training step (all devices).
     num_devices: devices the step runs on.
-    peak_flops_per_device: from `device_peak_flops`.
+    peak_flops_per_device: `PeakFlops.flops`.
+    measured_peak_flops_per_device: `PeakFlops.measured_flops`: the second MFU figure,
+      `throughput/mfu_measured_matmul`, where not None.
   """
 
   rows_per_step: int
@@ -166,16 +256,20 @@ class Throughput:
   flops_per_step: float
   num_devices: int
   peak_flops_per_device: float
+  measured_peak_flops_per_device: float | None = None
 
   def rates(self, steps: int, seconds: float) -> dict[str, float]:
     """Per-device rates over `steps` steps that took `seconds`."""
     per_device_second = 1.0 / (seconds * self.num_devices)
-    return {
+    model_flops_per_second = steps * self.flops_per_step * per_device_second
+    rates = {
       "throughput/seqs_per_sec_per_device": steps * self.rows_per_step * per_device_second,
       "throughput/tokens_per_sec_per_device": steps * self.tokens_per_step * per_device_second,
-      "throughput/mfu": steps
-      * self.flops_per_step
-      * per_device_second
-      / self.peak_flops_per_device,
+      "throughput/mfu": model_flops_per_second / self.peak_flops_per_device,
       "throughput/step_time_sec": seconds / steps,
     }
+    if self.measured_peak_flops_per_device:
+      rates["throughput/mfu_measured_matmul"] = (
+        model_flops_per_second / self.measured_peak_flops_per_device
+      )
+    return rates

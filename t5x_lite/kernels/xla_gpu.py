@@ -1,0 +1,148 @@
+"""Kernels for GPUs: T5's attention as one fused `jax.nn.dot_product_attention` call.
+
+Chosen by `T5Config.kernels='xla_gpu'`. 'auto' still picks 'reference' on a GPU
+(`registry.AUTO`): whether this set is faster there is for tools/gpu_benchmark.sh to
+show on the GPU, and until a run has shown it, the plain math stays the default.
+Projections, RMSNorm and argmax are the reference's (cuBLAS and XLA's fusions take
+them as they are); what differs is attention:
+
+* The additive biases the layers hand over (masks and T5's relative position bias,
+  see `base.AttentionFn`) are summed into the one `bias` of
+  `jax.nn.dot_product_attention(query, key, value, bias=..., scale=1.0)`: T5 has no
+  1/sqrt(head_dim) on its logits, and its position bias is a learned parameter, so
+  its gradient must flow (the cuDNN kernel returns the bias gradient).
+* On a GPU it runs with implementation='cudnn' (cuDNN's fused flash attention: the
+  [batch, heads, q, k] logits and weights never reach memory, forward or backward)
+  where cuDNN takes the shapes (`implementation`): bfloat16 or float16 queries, keys
+  and values, a head size that is a multiple of 8 up to 128, and, with a bias, even
+  query and key lengths (the cuDNN condition for a bias gradient; a decode step's
+  single query is exempt, it has no gradient). cuDNN takes its bias in the queries'
+  dtype: the masks' finite `MASK_BIAS` stays below every logit there, and T5's
+  bfloat16 models compute their position bias in bfloat16 already. cuDNN's softmax
+  is float32 whatever `logits_dtype` says. Where jax finds no usable cuDNN while
+  tracing (its checks raise), a warning says so and XLA's implementation runs.
+  Elsewhere, and on other backends (the CPU, where the tests check this set against
+  the reference), implementation='xla': the same math as `reference.attention` in
+  jax's own form (float32 logits and softmax, weights cast to the values' dtype).
+* Attention dropout (a fine-tuning option; T5 1.1 pre-trains without it) has no place
+  in that call, so with a dropout key the reference attention runs instead; so it does
+  for operands of mixed dtypes and for other key/value layouts.
+* The decode caches keep the projections' layout ('bkhd'), which is the call's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+from absl import logging
+
+from t5x_lite.core.types import Array, DType
+from t5x_lite.kernels import reference
+from t5x_lite.kernels.base import TOKENS_MAJOR, CacheLayouts, Kernels
+
+# Query/key/value dtypes cuDNN's fused attention takes.
+CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
+# Largest head size of cuDNN's fused attention on every GPU it supports (Hopper: 256).
+CUDNN_MAX_HEAD_DIM = 128
+
+
+def implementation(query: Array, key: Array, bias: Array | None, backend: str) -> str:
+  """'cudnn' where cuDNN's fused attention takes these operands on `backend`, else 'xla'.
+
+  Args:
+    query: [batch, q, heads, kv].
+    key: [batch, k, heads, kv].
+    bias: the summed bias [batch|1, heads|1, q, k], or None.
+    backend: the jax backend the program is compiled for ('gpu' for cuDNN).
+
+  Returns:
+    The `implementation` argument of `jax.nn.dot_product_attention`.
+  """
+  head_dim = query.shape[-1]
+  length_q, length_k = query.shape[1], key.shape[1]
+  supported = (
+    backend == 'gpu'
+    and query.dtype == key.dtype
+    and any(query.dtype == d for d in CUDNN_DTYPES)
+    and head_dim % 8 == 0
+    and head_dim <= CUDNN_MAX_HEAD_DIM
+    and (bias is None or length_q == 1 or (length_q % 2 == 0 and length_k % 2 == 0))
+  )
+  return 'cudnn' if supported else 'xla'
+
+
+def summed_bias(biases: Sequence[Array], length_q: int) -> Array | None:
+  """The sum of additive biases broadcastable to [batch, heads, q, k], in float32.
+
+  Returns:
+    [batch|1, heads|1, q, k] (the query axis made whole, as cuDNN needs), or None.
+  """
+  if not biases:
+    return None
+  total = biases[0].astype(jnp.float32)
+  for bias in biases[1:]:
+    total = total + bias.astype(jnp.float32)
+  total = jnp.reshape(total, (1,) * (4 - total.ndim) + total.shape)
+  return jnp.broadcast_to(total, total.shape[:2] + (length_q, total.shape[3]))
+
+
+def attention(
+  query: Array,
+  key: Array,
+  value: Array,
+  biases: Sequence[Array],
+  *,
+  key_axes: str,
+  value_axes: str,
+  dtype: DType,
+  logits_dtype: DType,
+  dropout_rate: float,
+  dropout_rng: Array | None,
+) -> Array:
+  """Unscaled dot-product attention (see `base.AttentionFn`) -> [batch, q, heads, kv],
+  fused by `jax.nn.dot_product_attention` (see the module docstring)."""
+  dropout = dropout_rng is not None and dropout_rate > 0.0
+  layouts = key_axes == value_axes == TOKENS_MAJOR
+  dtypes = query.dtype == key.dtype == value.dtype == jnp.dtype(dtype)
+  if dropout or not layouts or not dtypes:
+    return reference.attention(
+      query,
+      key,
+      value,
+      biases,
+      key_axes=key_axes,
+      value_axes=value_axes,
+      dtype=dtype,
+      logits_dtype=logits_dtype,
+      dropout_rate=dropout_rate,
+      dropout_rng=dropout_rng,
+    )
+  bias = summed_bias(biases, query.shape[1])  # [batch|1, heads|1, q, k]
+  if implementation(query, key, bias, jax.default_backend()) == 'cudnn':
+    cudnn_bias = None if bias is None else bias.astype(query.dtype)
+    try:
+      # [batch, q, heads, kv] x [batch, k, heads, kv] (x2) -> [batch, q, heads, kv]
+      return jax.nn.dot_product_attention(
+        query, key, value, bias=cudnn_bias, scale=1.0, implementation='cudnn'
+      )
+    except (NotImplementedError, RuntimeError) as e:  # raised while tracing: no cuDNN
+      logging.warning(
+        "xla_gpu attention: cuDNN's fused attention refused query %s, key %s (%s); XLA's runs",
+        query.shape,
+        key.shape,
+        e,
+      )
+  # [batch, q, heads, kv] x [batch, k, heads, kv] (x2) -> [batch, q, heads, kv]
+  return jax.nn.dot_product_attention(query, key, value, bias=bias, scale=1.0, implementation='xla')
+
+
+KERNELS = Kernels(
+  name='xla_gpu',
+  dense=reference.dense,
+  attention=attention,
+  rms_norm=reference.rms_norm,
+  argmax=reference.argmax,
+  cache=CacheLayouts(),  # keys and values as projected: the call's [batch, k, heads, kv]
+)

@@ -1,0 +1,222 @@
+"""Tests of t5x_lite.kernels.xla_gpu: attention through `jax.nn.dot_product_attention`
+equals the reference attention, forward and gradients (implementation='xla', what runs
+on the CPU), and hands cuDNN what it takes on a GPU.
+
+The whole network with these kernels (loss, gradients, greedy and beam decodes with
+caches) is checked against the reference in tests/kernels_test.py.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from t5x_lite.kernels import reference, xla_gpu
+from t5x_lite.nn import attention as attention_lib
+from t5x_lite.nn import layers
+
+BATCH, LENGTH_Q, LENGTH_K, HEADS, HEAD_DIM = 2, 6, 8, 3, 8
+
+
+def _operands(dtype, length_q=LENGTH_Q, length_k=LENGTH_K):
+  keys = jax.random.split(jax.random.PRNGKey(0), 4)
+  q = jax.random.normal(keys[0], (BATCH, length_q, HEADS, HEAD_DIM)).astype(dtype)
+  k = jax.random.normal(keys[1], (BATCH, length_k, HEADS, HEAD_DIM)).astype(dtype)
+  v = jax.random.normal(keys[2], (BATCH, length_k, HEADS, HEAD_DIM)).astype(dtype)
+  position = jax.random.normal(keys[3], (1, HEADS, length_q, length_k)).astype(dtype)
+  return q, k, v, position
+
+
+def _padding_bias(length_q=LENGTH_Q, length_k=LENGTH_K):
+  """[batch, 1, q, k]: row 0 has its last 3 keys and queries padded."""
+  valid_q = jnp.arange(length_q)[None, :] < jnp.array([[length_q - 3], [length_q]])
+  valid_k = jnp.arange(length_k)[None, :] < jnp.array([[length_k - 3], [length_k]])
+  return layers.mask_to_bias(layers.make_attention_mask(valid_q, valid_k))
+
+
+def _causal_bias(length):
+  return layers.mask_to_bias(layers.make_causal_mask(length))  # [1, 1, q, k]
+
+
+def _loss(kernels, q, k, v, position, mask, dtype, cotangent):
+  out = kernels.attention(
+    q,
+    k,
+    v,
+    [mask, position],
+    key_axes="bkhd",
+    value_axes="bkhd",
+    dtype=dtype,
+    logits_dtype=jnp.float32,
+    dropout_rate=0.0,
+    dropout_rng=None,
+  )
+  return jnp.vdot(out.astype(jnp.float32), cotangent), out
+
+
+@pytest.mark.parametrize(
+  "dtype, tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 2e-2)], ids=["float32", "bfloat16"]
+)
+@pytest.mark.parametrize("mask", ["padding", "causal"])
+def test_attention_and_its_gradients_equal_the_reference(dtype, tol, mask):
+  length_k = LENGTH_Q if mask == "causal" else LENGTH_K
+  q, k, v, position = _operands(dtype, length_k=length_k)
+  bias = _causal_bias(LENGTH_Q) if mask == "causal" else _padding_bias()
+  cotangent = jax.random.normal(jax.random.PRNGKey(5), q.shape)
+  valid = np.ones((BATCH, LENGTH_Q), bool)
+  if mask == "padding":
+    valid[0, -3:] = False  # padded queries attend to nothing: their outputs are unused
+
+  results = {}
+  for kernels in (xla_gpu.KERNELS, reference.KERNELS):
+
+    def loss(q, k, v, position, kernels=kernels):
+      return _loss(kernels, q, k, v, position, bias, dtype, cotangent)
+
+    (_, out), grads = jax.jit(jax.value_and_grad(loss, (0, 1, 2, 3), has_aux=True))(
+      q, k, v, position
+    )
+    results[kernels.name] = (out, grads)
+  out, grads = results["xla_gpu"]
+  ref_out, ref_grads = results["reference"]
+  assert out.dtype == ref_out.dtype == dtype
+  np.testing.assert_allclose(
+    np.asarray(out, np.float32)[valid], np.asarray(ref_out, np.float32)[valid], atol=tol, rtol=tol
+  )
+  for name, got, want in zip(("query", "key", "value", "position bias"), grads, ref_grads):
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    scale = max(1.0, float(np.abs(want).max()))
+    np.testing.assert_allclose(got, want, atol=tol * scale, rtol=tol, err_msg=name)
+
+
+def test_a_decode_step_against_a_cache_equals_the_reference():
+  """One query against 7 cache slots, the bias by causal distance masking slots after it."""
+  q, k, v, _ = _operands(jnp.float32, length_q=1, length_k=7)
+  distance_bias = jax.random.normal(jax.random.PRNGKey(3), (1, HEADS, 1, 4))
+  step_bias = attention_lib.causal_step_bias(distance_bias, jnp.int32(4), 7)  # [1, h, 1, 7]
+  cross_padding = _padding_bias(1, 7)[:, :, :1]  # [batch, 1, 1, 7]
+  outs = [
+    kernels.attention(
+      q,
+      k,
+      v,
+      [cross_padding, step_bias],
+      key_axes="bkhd",
+      value_axes="bkhd",
+      dtype=jnp.float32,
+      logits_dtype=jnp.float32,
+      dropout_rate=0.0,
+      dropout_rng=None,
+    )
+    for kernels in (xla_gpu.KERNELS, reference.KERNELS)
+  ]
+  np.testing.assert_allclose(outs[0], outs[1], atol=1e-6, rtol=1e-6)
+
+
+def test_dropout_and_other_layouts_run_the_reference_attention():
+  q, k, v, position = _operands(jnp.float32)
+  rng = jax.random.PRNGKey(7)
+  kwargs = dict(dtype=jnp.float32, logits_dtype=jnp.float32, dropout_rate=0.5, dropout_rng=rng)
+  got, want = (
+    kernels.attention(q, k, v, [position], key_axes="bkhd", value_axes="bkhd", **kwargs)
+    for kernels in (xla_gpu.KERNELS, reference.KERNELS)
+  )
+  np.testing.assert_array_equal(got, want)  # the same dropout mask: the same function
+  heads_major = jnp.swapaxes(k, 1, 2)  # [batch, heads, k, kv]
+  kwargs.update(dropout_rate=0.0, dropout_rng=None)
+  got = xla_gpu.attention(
+    q, heads_major, v, [position], key_axes="bhkd", value_axes="bkhd", **kwargs
+  )
+  want = reference.attention(q, k, v, [position], key_axes="bkhd", value_axes="bkhd", **kwargs)
+  np.testing.assert_allclose(got, want, atol=1e-6, rtol=1e-6)
+
+
+def test_on_a_gpu_the_call_asks_for_cudnn_with_a_bias_in_the_query_dtype(monkeypatch):
+  """On the CPU cuDNN cannot run; the call it would make is recorded, then run by XLA."""
+  calls = []
+  real = jax.nn.dot_product_attention
+
+  def record(query, key, value, bias=None, mask=None, *, scale=None, implementation=None):
+    calls.append(dict(implementation=implementation, bias=bias, scale=scale, mask=mask))
+    return real(query, key, value, bias=bias, scale=scale, implementation="xla")
+
+  monkeypatch.setattr(jax.nn, "dot_product_attention", record)
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  q, k, v, position = _operands(jnp.bfloat16)
+  out = xla_gpu.attention(
+    q,
+    k,
+    v,
+    [_padding_bias(), position],
+    key_axes="bkhd",
+    value_axes="bkhd",
+    dtype=jnp.bfloat16,
+    logits_dtype=jnp.float32,
+    dropout_rate=0.0,
+    dropout_rng=None,
+  )
+  [call] = calls
+  assert call["implementation"] == "cudnn" and call["scale"] == 1.0 and call["mask"] is None
+  assert call["bias"].dtype == jnp.bfloat16 and call["bias"].shape == (BATCH, HEADS, 6, 8)
+  assert out.shape == q.shape and out.dtype == jnp.bfloat16
+
+
+def _shaped(dtype, length_q=512, length_k=512, head_dim=64):
+  return (
+    jax.ShapeDtypeStruct((2, length_q, 12, head_dim), dtype),
+    jax.ShapeDtypeStruct((2, length_k, 12, head_dim), dtype),
+  )
+
+
+@pytest.mark.parametrize(
+  "dtype, lengths, head_dim, bias, backend, want",
+  [
+    (jnp.bfloat16, (512, 512), 64, True, "gpu", "cudnn"),  # T5 encoder self-attention
+    (jnp.bfloat16, (114, 512), 64, True, "gpu", "cudnn"),  # cross-attention
+    (jnp.float16, (114, 114), 64, False, "gpu", "cudnn"),
+    (jnp.bfloat16, (1, 63), 64, True, "gpu", "cudnn"),  # a decode step: no gradient
+    (jnp.bfloat16, (113, 512), 64, True, "gpu", "xla"),  # odd length with a bias gradient
+    (jnp.bfloat16, (113, 513), 64, False, "gpu", "cudnn"),  # no bias: any length
+    (jnp.float32, (512, 512), 64, True, "gpu", "xla"),  # cuDNN takes 16-bit floats only
+    (jnp.bfloat16, (512, 512), 12, True, "gpu", "xla"),  # head size not a multiple of 8
+    (jnp.bfloat16, (512, 512), 256, True, "gpu", "xla"),  # above 128
+    (jnp.bfloat16, (512, 512), 64, True, "cpu", "xla"),
+    (jnp.bfloat16, (512, 512), 64, True, "tpu", "xla"),
+  ],
+)
+def test_implementation(dtype, lengths, head_dim, bias, backend, want):
+  query, key = _shaped(dtype, *lengths, head_dim)
+  summed = jax.ShapeDtypeStruct((2, 12, *lengths), jnp.float32) if bias else None
+  assert xla_gpu.implementation(query, key, summed, backend) == want
+
+
+def test_summed_bias_broadcasts_to_whole_query_and_key_axes():
+  padding = jnp.zeros((2, 1, 1, 8))  # [batch, 1, 1, k]: cross-attention padding
+  position = jnp.ones((1, 3, 6, 8), jnp.bfloat16)  # [1, heads, q, k]
+  total = xla_gpu.summed_bias([padding, position], 6)
+  assert total.shape == (2, 3, 6, 8) and total.dtype == jnp.float32
+  assert xla_gpu.summed_bias([padding], 6).shape == (2, 1, 6, 8)
+  assert xla_gpu.summed_bias([], 6) is None
+
+
+def test_where_jax_finds_no_cudnn_xla_runs_and_a_warning_says_so(monkeypatch, caplog):
+  real = jax.nn.dot_product_attention
+  asked = []
+
+  def no_cudnn(query, key, value, bias=None, mask=None, *, scale=None, implementation=None):
+    asked.append(implementation)
+    if implementation == "cudnn":
+      raise RuntimeError("cuDNN is not detected.")
+    return real(query, key, value, bias=bias, mask=mask, scale=scale, implementation=implementation)
+
+  monkeypatch.setattr(jax.nn, "dot_product_attention", no_cudnn)
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  q, k, v, position = _operands(jnp.bfloat16)
+  kwargs = dict(key_axes="bkhd", value_axes="bkhd", dtype=jnp.bfloat16, logits_dtype=jnp.float32)
+  kwargs.update(dropout_rate=0.0, dropout_rng=None)
+  with caplog.at_level("WARNING"):
+    got = xla_gpu.attention(q, k, v, [position], **kwargs)
+  assert asked == ["cudnn", "xla"]
+  assert "cuDNN's fused attention refused" in caplog.text and "cuDNN is not detected" in caplog.text
+  want = reference.attention(q, k, v, [position], **kwargs)
+  np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=2e-2)
