@@ -111,8 +111,10 @@ def test_same_model_both_sides(result):
   # Same weights, same greedy argmax: the decodes agree almost everywhere.
   assert figures["greedy_token_agreement"] >= 0.5
   assert figures["kernels"] == "xla_cpu"  # 'auto' on the CPU
-  # Another kernel set computes the same network: its greedy decodes agree.
+  # Another kernel set computes the same network: its greedy decodes agree, and its
+  # losses after as many steps on the same batch from the same parameters.
   assert figures["kernels_reference_greedy_token_agreement"] == 1.0
+  assert figures["kernels_reference_train_last_loss_rel_diff"] < 1e-4
   assert figures["train_tokens_per_step"] == 2 * (16 + 8)
   assert figures["settings"]["decode_length"] == 3
 
@@ -184,7 +186,10 @@ def test_other_kernel_sets_become_ratios_and_columns():
   s = tiny_settings(compare_kernels=("reference",))
   raw = {"train_step_s": 0.5, "greedy_s": 0.2, "jax_peak_flops": 1e11, "kernels": "xla_cpu"}
   raw |= {"kernels_reference_train_step_s": 1.0, "kernels_reference_greedy_s": 0.1}
+  raw |= {"train_last_loss": 2.02, "kernels_reference_train_last_loss": 2.0}
   r = {**raw, **benchmark.derive(s, raw), "settings": {"compare_kernels": ["reference"]}}
+  assert r["kernels_reference_train_last_loss_rel_diff"] == pytest.approx(0.01)
+  assert "kernels_reference_train_first_loss_rel_diff" not in r  # not measured
   step_flops = flops.flops_per_token(s.config, 16, 8) * 2 * (16 + 8)
   assert r["kernels_reference_train_mfu"] == pytest.approx(step_flops / 1.0 / 1e11)
   assert r["train_speedup_vs_kernels_reference"] == pytest.approx(2.0)

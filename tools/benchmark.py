@@ -309,6 +309,8 @@ class OursTrain:
   Attributes:
     run: one more step (None with `Settings.compile_only`: compiled, never called).
     figures: compile figures ('train_compile_s', 'train_first_call_s').
+    losses: the loss of each step run so far (every kernel set runs as many steps on
+      the same batch from the same parameters, so their losses should agree).
     compiled_text: the compiled step's HLO text (compiled again, or loaded from a
       persistent compilation cache when one is on).
   """
@@ -316,6 +318,7 @@ class OursTrain:
   run: Callable[[], None] | None
   figures: dict[str, float]
   compiled_text: Callable[[], str]
+  losses: list[float] = dataclasses.field(default_factory=list)
 
 
 def prepare_ours_train(
@@ -342,10 +345,12 @@ def prepare_ours_train(
 
   jax.monitoring.register_event_duration_secs_listener(on_event)
   holder = {"state": state}
+  losses: list[float] = []
 
   def run() -> None:
     holder["state"], metrics = step(holder["state"], batch, rng)
-    if not np.isfinite(float(metrics["loss"])):  # also waits for the step
+    losses.append(float(metrics["loss"]))  # also waits for the step
+    if not np.isfinite(losses[-1]):
       raise RuntimeError("our train step produced a non-finite loss")
 
   def compiled_text() -> str:
@@ -359,7 +364,7 @@ def prepare_ours_train(
   first_call = time.perf_counter() - start
   jax.monitoring.unregister_event_duration_listener(on_event)
   figures = {"train_compile_s": sum(compile_seconds), "train_first_call_s": first_call}
-  return OursTrain(None if s.compile_only else run, figures, compiled_text)
+  return OursTrain(None if s.compile_only else run, figures, compiled_text, losses)
 
 
 def measure_ours_decode(
@@ -628,6 +633,11 @@ def derive(s: Settings, raw: dict[str, Any]) -> dict[str, Any]:
     for name in ("greedy", "beam"):
       if raw.get(f"{prefix}{name}_s"):
         out[f"{prefix}{name}_tokens_per_s"] = decoded / raw[f"{prefix}{name}_s"]
+  for peer in _kernel_peers(s.compare_kernels):
+    for when in ("first", "last"):
+      ours, theirs = raw.get(f"train_{when}_loss"), raw.get(f"{peer}_train_{when}_loss")
+      if ours is not None and theirs:
+        out[f"{peer}_train_{when}_loss_rel_diff"] = abs(ours - theirs) / abs(theirs)
   for peer in ("hf", "t5x", *_kernel_peers(s.compare_kernels)):
     for name in ("train", "greedy", "beam"):
       out[f"{name}_speedup_vs_{peer}"] = _ratio(
@@ -791,6 +801,9 @@ def measure(s: Settings) -> dict[str, Any]:
       train_steps["hf_"] = prepare_hf_train(s, hf_model)
   for prefix, (seconds, times) in time_in_turn(train_steps, s.reps, s.warmup, s.settle).items():
     raw[f"{prefix}train_step_s"], raw[f"{prefix}train_step_times_s"] = seconds, times
+  for prefix, train in trains.items():  # the same steps for each set: losses to compare
+    raw[f"{prefix}train_first_loss"] = train.losses[0]
+    raw[f"{prefix}train_last_loss"] = train.losses[-1]
   if s.profile_dir and trains:
     raw.update(profile_ours(s, trains))
   if s.data_task and "data" not in s.skip:

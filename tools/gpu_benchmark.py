@@ -301,6 +301,9 @@ def _side(figures: dict[str, Any], prefix: str, label: str) -> str:
   for name in ("greedy", "beam"):
     if figures.get(f"{prefix}{name}_tokens_per_s"):
       text += f", {name} {figures[f'{prefix}{name}_tokens_per_s']:,.0f} tok/s"
+  if figures.get(f"{prefix}train_last_loss_rel_diff") is not None:
+    diff = figures[f"{prefix}train_last_loss_rel_diff"]
+    text += f", last loss vs {figures.get('kernels')}'s: {diff:.1e} relative"
   return text
 
 
