@@ -11,6 +11,11 @@ none of them asks what kind of model it has. The members:
   `t5x_lite.distillation_modes` (several teachers; an EMA of the student as teacher).
 * `t5x_lite.codistillation.CoDistillationModel`: two models in one params tree, each
   distilling the other.
+* `t5x_lite.electra.ElectraModel`: a T5 network pre-trained with a generator and a
+  replaced-token-detection head.
+
+The last three are `DelegatingModel`s: they train their own way but evaluate, score,
+predict and are saved as the T5 model they are built around.
 
 Auxiliary state is a pytree a model keeps beside its trained params (a teacher's params,
 an average of the params): the trainer shards it by its logical axes (`init_aux_state`),
@@ -198,3 +203,57 @@ class BaseModel(abc.ABC):
     """
     del params, step
     return aux_state
+
+
+class DelegatingModel(BaseModel):
+  """A model built around another: it trains its own way (its `loss_fn`) but its config,
+  loss normalization, scores and predictions are the inner model's, on the part of the
+  params that is the inner model's (`inner_params`).
+
+  Args:
+    inner: the model that evaluates, scores, predicts and is restored for fine-tuning.
+  """
+
+  def __init__(self, inner: BaseModel):
+    self.inner = inner
+    self.input_vocabulary = inner.input_vocabulary
+    self.output_vocabulary = inner.output_vocabulary
+
+  def inner_params(self, params: PyTree) -> PyTree:
+    """The inner model's params within this model's (all of them by default)."""
+    return params
+
+  @property
+  def network_config(self) -> network.T5Config:
+    """The inner model's: what checkpoints store and eval, infer, fine-tuning rebuild."""
+    return self.inner.network_config
+
+  def loss_normalization(self, batch: Batch) -> Normalization:
+    """The inner model's (its `loss_normalizing_factor`)."""
+    return self.inner.loss_normalization(batch)
+
+  def score_batch(self, params: PyTree, batch: Batch) -> jax.Array:
+    """The inner model's scores."""
+    return self.inner.score_batch(self.inner_params(params), batch)
+
+  def predict_batch_with_aux(
+    self,
+    params: PyTree,
+    batch: Batch,
+    rng: jax.Array | None = None,
+    *,
+    decoder_params: Mapping[str, Any] | None = None,
+    return_all_decodes: bool = False,
+    num_decodes: int = 1,
+    decode_fn: str = "greedy",
+  ) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """The inner model's predictions."""
+    return self.inner.predict_batch_with_aux(
+      self.inner_params(params),
+      batch,
+      rng,
+      decoder_params=decoder_params,
+      return_all_decodes=return_all_decodes,
+      num_decodes=num_decodes,
+      decode_fn=decode_fn,
+    )

@@ -27,7 +27,7 @@ and dropped).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Mapping
 
 import gin
 import jax
@@ -45,7 +45,7 @@ Batch = Mapping[str, jax.Array]
 MODEL_A, MODEL_B = "model_a", "model_b"
 
 
-class CoDistillationModel(base_model.BaseModel):
+class CoDistillationModel(base_model.DelegatingModel):
   """Two models of one config, each distilling the other; model_a is the trained model.
 
   Args:
@@ -56,25 +56,19 @@ class CoDistillationModel(base_model.BaseModel):
   """
 
   def __init__(self, model: models.BaseTransformerModel, *, alpha: float, temperature: float):
+    super().__init__(model)
     self.model = model
-    self.input_vocabulary = model.input_vocabulary
-    self.output_vocabulary = model.output_vocabulary
     self.alpha = alpha
     self.temperature = temperature
 
-  @property
-  def network_config(self) -> network.T5Config:
-    """The shared config (model_a's)."""
-    return self.model.network_config
+  def inner_params(self, params: PyTree) -> PyTree:
+    """model_a's params: model_a evaluates, scores, predicts and is fine-tuned."""
+    return params[MODEL_A]
 
   def init_params(self, rng: jax.Array) -> PyTree:
     """{'model_a': boxed params, 'model_b': boxed params}, from two keys split off `rng`."""
     rng_a, rng_b = jax.random.split(rng)
     return {MODEL_A: self.model.init_params(rng_a), MODEL_B: self.model.init_params(rng_b)}
-
-  def loss_normalization(self, batch: Batch) -> base_model.Normalization:
-    """The shared model's (its `loss_normalizing_factor`)."""
-    return self.model.loss_normalization(batch)
 
   def train_flops_per_step(self, batch_size: int, input_length: int, target_length: int) -> float:
     """Two models' training FLOPs."""
@@ -147,32 +141,6 @@ class CoDistillationModel(base_model.BaseModel):
   def eval_fn(self, params: PyTree, batch: Batch) -> tuple[jax.Array, dict[str, jax.Array]]:
     """model_a's plain loss and metrics, comparable with a run without co-distillation."""
     return self.model.eval_fn(params[MODEL_A], batch)
-
-  def score_batch(self, params: PyTree, batch: Batch) -> jax.Array:
-    """model_a's scores."""
-    return self.model.score_batch(params[MODEL_A], batch)
-
-  def predict_batch_with_aux(
-    self,
-    params: PyTree,
-    batch: Batch,
-    rng: jax.Array | None = None,
-    *,
-    decoder_params: Mapping[str, Any] | None = None,
-    return_all_decodes: bool = False,
-    num_decodes: int = 1,
-    decode_fn: str = "greedy",
-  ) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """model_a's predictions."""
-    return self.model.predict_batch_with_aux(
-      params[MODEL_A],
-      batch,
-      rng,
-      decoder_params=decoder_params,
-      return_all_decodes=return_all_decodes,
-      num_decodes=num_decodes,
-      decode_fn=decode_fn,
-    )
 
 
 @gin.configurable

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Mapping
 
 import gin
 import jax
@@ -98,7 +98,7 @@ def teacher_config(step_dir: epath.Path) -> network.T5Config:
   return network.T5Config(**fields)
 
 
-class DistillationModel(base_model.BaseModel):
+class DistillationModel(base_model.DelegatingModel):
   """A student model whose training loss follows a frozen teacher model's soft targets.
 
   The student is what trains, evaluates, scores, predicts and is saved; the teacher's
@@ -122,26 +122,16 @@ class DistillationModel(base_model.BaseModel):
     alpha: float,
     temperature: float,
   ):
+    super().__init__(student)
     self.student = student
     self.teacher = teacher
-    self.input_vocabulary = student.input_vocabulary
-    self.output_vocabulary = student.output_vocabulary
     self.teacher_checkpoint = teacher_checkpoint
     self.alpha = alpha
     self.temperature = temperature
 
-  @property
-  def network_config(self) -> network.T5Config:
-    """The student's."""
-    return self.student.network_config
-
   def init_params(self, rng: jax.Array) -> PyTree:
     """The student's boxed initial params."""
     return self.student.init_params(rng)
-
-  def loss_normalization(self, batch: Batch) -> base_model.Normalization:
-    """The student's (its `loss_normalizing_factor`)."""
-    return self.student.loss_normalization(batch)
 
   def init_aux_state(self, rng: jax.Array) -> PyTree:
     """Boxed teacher params of the right shapes and axes (restore target only)."""
@@ -222,32 +212,6 @@ class DistillationModel(base_model.BaseModel):
     metrics = self.student.finalize_metrics(sums)
     metrics.update({name: value for name, value in sums.items() if name.startswith("distill_kl")})
     return metrics
-
-  def score_batch(self, params: PyTree, batch: Batch) -> jax.Array:
-    """The student's scores."""
-    return self.student.score_batch(params, batch)
-
-  def predict_batch_with_aux(
-    self,
-    params: PyTree,
-    batch: Batch,
-    rng: jax.Array | None = None,
-    *,
-    decoder_params: Mapping[str, Any] | None = None,
-    return_all_decodes: bool = False,
-    num_decodes: int = 1,
-    decode_fn: str = "greedy",
-  ) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """The student's predictions."""
-    return self.student.predict_batch_with_aux(
-      params,
-      batch,
-      rng,
-      decoder_params=decoder_params,
-      return_all_decodes=return_all_decodes,
-      num_decodes=num_decodes,
-      decode_fn=decode_fn,
-    )
 
 
 def check_settings(binding: str, alpha: float, temperature: float) -> None:

@@ -46,7 +46,7 @@ The features are seqio's encoder-decoder ones, inputs and targets both the text
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any, Mapping, cast
+from typing import TYPE_CHECKING, Mapping, cast
 
 import flax.linen as nn
 import gin
@@ -186,7 +186,7 @@ def rtd_labels(corrupted: jax.Array, original: jax.Array) -> jax.Array:
   return (corrupted != original).astype(jnp.float32)
 
 
-class ElectraModel(base_model.BaseModel):
+class ElectraModel(base_model.DelegatingModel):
   """The T5 encoder-decoder pre-trained with a generator, RTD and corrective LM
   (see the module docstring); it evaluates, scores and predicts as the discriminator.
 
@@ -209,19 +209,13 @@ class ElectraModel(base_model.BaseModel):
     rtd_weight: float,
     clm_weight: float,
   ):
+    super().__init__(discriminator)
     self.discriminator = discriminator
     self.generator = generator
     self.heads = ElectraHeads(config=discriminator.network_config, generator_config=generator)
-    self.input_vocabulary = discriminator.input_vocabulary
-    self.output_vocabulary = discriminator.output_vocabulary
     self.mask_rate = mask_rate
     self.mask_id = mask_id
     self.weights = {"electra_mlm": mlm_weight, "electra_rtd": rtd_weight, "electra_clm": clm_weight}
-
-  @property
-  def network_config(self) -> network.T5Config:
-    """The discriminator's: what checkpoints store and eval, infer, fine-tuning rebuild."""
-    return self.discriminator.network_config
 
   def init_params(self, rng: jax.Array) -> PyTree:
     """The discriminator's boxed params plus `generator/` and `rtd_head/`."""
@@ -233,17 +227,13 @@ class ElectraModel(base_model.BaseModel):
     params.update({k: heads["params"][k] for k in checkpoints.PRETRAINING_ONLY_PARAMS})
     return params
 
-  def discriminator_params(self, params: PyTree) -> PyTree:
+  def inner_params(self, params: PyTree) -> PyTree:
     """The T5 network's params: `params` without the generator and the RTD head."""
     return {k: v for k, v in params.items() if k not in checkpoints.PRETRAINING_ONLY_PARAMS}
 
   def _heads(self, params: PyTree) -> dict[str, PyTree]:
     names = ("token_embedder", *checkpoints.PRETRAINING_ONLY_PARAMS)
     return {"params": {k: params[k] for k in names}}
-
-  def loss_normalization(self, batch: Batch) -> base_model.Normalization:
-    """The discriminator's (its `loss_normalizing_factor`)."""
-    return self.discriminator.loss_normalization(batch)
 
   def train_flops_per_step(self, batch_size: int, input_length: int, target_length: int) -> float:
     """The discriminator's training FLOPs plus the generator's forward and backward
@@ -299,7 +289,7 @@ class ElectraModel(base_model.BaseModel):
       (RTD logits [batch, input_len], the decoder's logits [batch, target_len, vocab]).
     """
     module, enable_dropout = self.discriminator.module, dropout_rng is not None
-    variables = {"params": self.discriminator_params(params)}
+    variables = {"params": self.inner_params(params)}
     rngs = None if dropout_rng is None else {"dropout": dropout_rng}
     encoded = module.apply(
       variables,
@@ -384,32 +374,6 @@ class ElectraModel(base_model.BaseModel):
     metrics["rtd_accuracy"] = sums["rtd_correct"] / jnp.maximum(sums["rtd_positions"], 1.0)
     metrics["replaced_fraction"] = sums["rtd_replaced"] / jnp.maximum(sums["rtd_masked"], 1.0)
     return metrics
-
-  def score_batch(self, params: PyTree, batch: Batch) -> jax.Array:
-    """The discriminator's scores."""
-    return self.discriminator.score_batch(self.discriminator_params(params), batch)
-
-  def predict_batch_with_aux(
-    self,
-    params: PyTree,
-    batch: Batch,
-    rng: jax.Array | None = None,
-    *,
-    decoder_params: Mapping[str, Any] | None = None,
-    return_all_decodes: bool = False,
-    num_decodes: int = 1,
-    decode_fn: str = "greedy",
-  ) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """The discriminator's predictions (its decoder reconstructs its input)."""
-    return self.discriminator.predict_batch_with_aux(
-      self.discriminator_params(params),
-      batch,
-      rng,
-      decoder_params=decoder_params,
-      return_all_decodes=return_all_decodes,
-      num_decodes=num_decodes,
-      decode_fn=decode_fn,
-    )
 
 
 def sigmoid_bce(logits: jax.Array, labels: jax.Array) -> jax.Array:

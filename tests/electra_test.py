@@ -174,7 +174,7 @@ def test_the_loss_equals_a_hand_computation():
   log_probs = _log_softmax(np.asarray(mlm_logits))
   picked = np.take_along_axis(log_probs, original[..., None], -1)[..., 0]
   mlm = -(picked * masked).sum() / (factor * 0.4)
-  disc_params = model.discriminator_params(params)
+  disc_params = model.inner_params(params)
   encoded = model.discriminator.module.apply(
     {"params": disc_params}, corrupted, enable_dropout=False, method="encode"
   )
@@ -231,7 +231,7 @@ def test_a_checkpoint_restores_into_the_plain_model_without_generator_and_rtd_he
   partitioner = partitioning.Partitioner(num_partitions=2)
   abstract = partitioner.abstract_params(plain.init_params)[0]
   fresh = jax.tree.map(lambda t: jnp.zeros(t.shape, t.dtype, device=t.sharding), abstract)
-  expected = traverse_util.flatten_dict(model.discriminator_params(saved), sep="/")
+  expected = traverse_util.flatten_dict(model.inner_params(saved), sep="/")
   with caplog.at_level(logging.WARNING, logger="absl"):
     start = partial_restore.restore_start(
       tmp_path / "electra", abstract, fresh, partial_restore.RestoreConfig()
