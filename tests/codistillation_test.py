@@ -15,12 +15,9 @@ import tensorflow as tf
 from t5x_lite import codistillation, distillation, models
 from t5x_lite.checkpoint import checkpoints, partial_restore
 from t5x_lite.core import errors, gin_config
-from t5x_lite.data import pipeline
 from t5x_lite.nn import network
-from t5x_lite.run import train_lib
-from t5x_lite.training import optimizers
 from text_tasks import VOCAB, register_text_task
-from tiny_models import tiny_checkpoint_config
+from tiny_models import random_batch, train_on_task, tiny_checkpoint_config
 
 TASK = "codistillation_test_text"
 
@@ -34,19 +31,6 @@ def _source(split: str, shuffle_files: bool, seed: int | None = None) -> tf.data
 register_text_task(TASK, _source, ["train", "validation"])
 pytestmark = pytest.mark.usefixtures("clean_gin")
 KWARGS = dict(z_loss=1e-4, label_smoothing=0.1, loss_normalizing_factor="NUM_REAL_TARGET_TOKENS")
-
-
-def _batch(seed: int = 0, batch: int = 4, inputs: int = 7, targets: int = 5) -> dict:
-  rng = np.random.default_rng(seed)
-  decoder_target_tokens = rng.integers(2, 300, (batch, targets)).astype(np.int32)
-  decoder_target_tokens[0, -2:] = 0  # padding: zero loss weight
-  decoder_input_tokens = np.pad(decoder_target_tokens[:, :-1], ((0, 0), (1, 0)))
-  return {
-    "encoder_input_tokens": rng.integers(2, 300, (batch, inputs)).astype(np.int32),
-    "decoder_input_tokens": decoder_input_tokens,
-    "decoder_target_tokens": decoder_target_tokens,
-    "decoder_loss_weights": (decoder_target_tokens > 0).astype(np.float32),
-  }
 
 
 def _plain() -> models.EncoderDecoderModel:
@@ -69,7 +53,7 @@ def _is_zero(tree) -> bool:
 
 def test_each_model_gets_gradients_only_through_its_own_loss():
   model = _codistill(alpha=0.7)
-  params, batch = _params(model), _batch()
+  params, batch = _params(model), random_batch(batch=4)
   assert set(params) == {"model_a", "model_b"}
 
   def term(name):
@@ -89,7 +73,7 @@ def test_each_model_gets_gradients_only_through_its_own_loss():
 def test_objective_matches_a_hand_computation_and_eval_is_model_a():
   alpha, t = 0.3, 1.5
   model, plain = _codistill(alpha, t), _plain()
-  params, batch = _params(model, 1), _batch(seed=2)
+  params, batch = _params(model, 1), random_batch(seed=2, batch=4)
   loss, sums = model.loss_fn(params, batch, None)
   logits = {n: plain.teacher_forced_logits(params[n], batch, None) for n in params}
   w = batch["decoder_loss_weights"]
@@ -115,32 +99,11 @@ def test_objective_matches_a_hand_computation_and_eval_is_model_a():
   assert {"distill_kl", "model_b_cross_ent_loss"} <= set(finalized)
 
 
-def _dataset() -> pipeline.DatasetConfig:
-  return pipeline.DatasetConfig(
-    mixture_or_task_name=TASK,
-    task_feature_lengths={"inputs": 32, "targets": 32},
-    batch_size=8,
-    pack=False,
-  )
-
-
-def _train(model_dir, steps: int, model, **kwargs):
-  return train_lib.train(
-    model_dir=str(model_dir),
-    total_steps=steps,
-    model=model,
-    optimizer=optimizers.adafactor(learning_rate=0.01),
-    train_dataset_cfg=_dataset(),
-    log_period=1,
-    **kwargs,
-  )
-
-
 def test_codistillation_trains_and_its_checkpoint_starts_a_plain_model_a(tmp_path):
   model = codistillation.build_codistillation_model(
     alpha=0.5, config=tiny_checkpoint_config(), vocabulary=VOCAB
   )
-  state = _train(tmp_path / "codistill", 2, model)
+  state = train_on_task(TASK, tmp_path / "codistill", 2, model)
   with open(os.path.join(tmp_path / "codistill", "metrics.jsonl")) as f:
     records = [r for r in map(json.loads, f) if r["split"] == "train"]
   assert [r["step"] for r in records] == [1, 2] and records[-1]["distill_kl"] > 0
@@ -154,8 +117,8 @@ def test_codistillation_trains_and_its_checkpoint_starts_a_plain_model_a(tmp_pat
   # runs/from_codistill.gin starts a plain model from model_a (no update at 0 steps).
   gin_config.parse_gin(["runs/from_codistill.gin"], [])
   plain = models.EncoderDecoderModel(network.Transformer(tiny_checkpoint_config()), VOCAB, VOCAB)
-  started = _train(
-    tmp_path / "student", 0, plain, initial_checkpoint_path=str(tmp_path / "codistill")
+  started = train_on_task(
+    TASK, tmp_path / "student", 0, plain, initial_checkpoint_path=str(tmp_path / "codistill")
   )
   jax.tree.map(np.testing.assert_array_equal, jax.device_get(started.params), params["model_a"])
   assert partial_restore.RestoreConfig().assignment_map == (("(.*)", r"model_a/\1"),)

@@ -6,7 +6,6 @@ import dataclasses
 import json
 import os
 
-import flax.linen as nn
 import gin
 import jax
 import numpy as np
@@ -17,12 +16,16 @@ import tensorflow as tf
 from t5x_lite import distillation, distillation_modes, models
 from t5x_lite.checkpoint import checkpoints
 from t5x_lite.core import errors, gin_config
-from t5x_lite.data import pipeline
 from t5x_lite.nn import network
-from t5x_lite.run import train_lib
 from t5x_lite.training import optimizers, partitioning, trainer
 from text_tasks import VOCAB, register_text_task
-from tiny_models import tiny_checkpoint_config
+from tiny_models import (
+  random_batch,
+  train_on_task,
+  init_params,
+  save_params_checkpoint,
+  tiny_checkpoint_config,
+)
 
 TASK = "distillation_modes_test_text"
 
@@ -38,25 +41,8 @@ pytestmark = pytest.mark.usefixtures("clean_gin")
 KWARGS = dict(z_loss=1e-4, label_smoothing=0.1, loss_normalizing_factor="NUM_REAL_TARGET_TOKENS")
 
 
-def _batch(seed: int = 0, batch: int = 8, inputs: int = 7, targets: int = 5) -> dict:
-  rng = np.random.default_rng(seed)
-  decoder_target_tokens = rng.integers(2, 300, (batch, targets)).astype(np.int32)
-  decoder_target_tokens[0, -2:] = 0  # padding: zero loss weight
-  decoder_input_tokens = np.pad(decoder_target_tokens[:, :-1], ((0, 0), (1, 0)))
-  return {
-    "encoder_input_tokens": rng.integers(2, 300, (batch, inputs)).astype(np.int32),
-    "decoder_input_tokens": decoder_input_tokens,
-    "decoder_target_tokens": decoder_target_tokens,
-    "decoder_loss_weights": (decoder_target_tokens > 0).astype(np.float32),
-  }
-
-
 def _model(config: network.T5Config, **kwargs) -> models.EncoderDecoderModel:
   return models.EncoderDecoderModel(network.Transformer(config), VOCAB, VOCAB, **kwargs)
-
-
-def _params(config: network.T5Config, seed: int):
-  return nn.meta.unbox(network.init_params(config, jax.random.PRNGKey(seed)))
 
 
 def _value_and_grad(model, params, batch, aux_state):
@@ -78,8 +64,8 @@ def test_one_teacher_with_weight_one_is_exactly_standard_distillation():
     alpha=0.4,
     temperature=2.0,
   )
-  params, teacher = _params(student.network_config, 0), _params(teacher_config, 1)
-  batch = _batch()
+  params, teacher = init_params(student.network_config, 0), init_params(teacher_config, 1)
+  batch = random_batch(batch=8)
   (loss, sums), grads = _value_and_grad(single, params, batch, teacher)
   (multi_loss, multi_sums), multi_grads = _value_and_grad(multi, params, batch, (teacher,))
   np.testing.assert_array_equal(multi_loss, loss)
@@ -102,11 +88,11 @@ def test_several_teachers_give_the_weighted_sum_of_their_kls():
     alpha=alpha,
     temperature=t,
   )
-  params = _params(student.network_config, 0)
-  teachers = (_params(configs[0], 10), _params(configs[1], 11))
+  params = init_params(student.network_config, 0)
+  teachers = (init_params(configs[0], 10), init_params(configs[1], 11))
   # A sharper second teacher, so that the two KLs differ and the weights matter.
   teachers[1]["decoder"]["logits_dense"]["kernel"] *= 8.0
-  batch = _batch(seed=3)
+  batch = random_batch(seed=3, batch=8)
   loss, sums = multi.loss_fn(params, batch, None, aux_state=teachers)
   # By hand: each KL from the student's and that teacher's logits, normalised by the
   # number of real target tokens (the student's loss_normalizing_factor).
@@ -134,10 +120,10 @@ def test_self_distillation_teacher_moves_only_by_the_ema_rule():
   model = distillation_modes.SelfDistillationModel(
     _model(tiny_checkpoint_config(), **KWARGS), ema_decay=decay, alpha=0.5, temperature=2.0
   )
-  params = _params(model.network_config, 0)
-  batch = _batch(seed=4)
+  params = init_params(model.network_config, 0)
+  batch = random_batch(seed=4, batch=8)
   # The loss has no gradient with respect to the teacher (its logits are stopped).
-  teacher = _params(model.network_config, 1)
+  teacher = init_params(model.network_config, 1)
   teacher_grads = jax.grad(lambda tp: model.loss_fn(params, batch, None, aux_state=tp)[0])(teacher)
   assert all(not np.any(g) for g in jax.tree.leaves(teacher_grads))
 
@@ -182,35 +168,9 @@ def test_decay_one_keeps_the_starting_params_as_the_teacher():
   model = distillation_modes.SelfDistillationModel(
     _model(tiny_checkpoint_config()), ema_decay=1.0, alpha=0.5, temperature=1.0
   )
-  start, later = _params(model.network_config, 0), _params(model.network_config, 1)
+  start, later = init_params(model.network_config, 0), init_params(model.network_config, 1)
   kept = model.update_aux_state(start, later, jax.numpy.int32(5))
   jax.tree.map(np.testing.assert_array_equal, kept, start)
-
-
-def _dataset() -> pipeline.DatasetConfig:
-  return pipeline.DatasetConfig(
-    mixture_or_task_name=TASK,
-    task_feature_lengths={"inputs": 32, "targets": 32},
-    batch_size=8,
-    pack=False,
-  )
-
-
-def _train(model_dir, steps: int, model):
-  return train_lib.train(
-    model_dir=str(model_dir),
-    total_steps=steps,
-    model=model,
-    optimizer=optimizers.adafactor(learning_rate=0.01),
-    train_dataset_cfg=_dataset(),
-    log_period=1,
-  )
-
-
-def _save_teacher(root, config: network.T5Config, seed: int = 7) -> None:
-  checkpoints.write_params_checkpoint(
-    root, jax.device_get(_params(config, seed)), config=dataclasses.asdict(config)
-  )
 
 
 def _train_records(model_dir) -> list[dict]:
@@ -221,7 +181,7 @@ def _train_records(model_dir) -> list[dict]:
 def test_multi_teacher_and_self_distillation_train_and_save_the_student(tmp_path):
   configs = [tiny_checkpoint_config(emb_dim=48), tiny_checkpoint_config(num_decoder_layers=2)]
   for i, config in enumerate(configs):
-    _save_teacher(tmp_path / f"teacher{i}", config, seed=7 + i)
+    save_params_checkpoint(tmp_path / f"teacher{i}", config, seed=7 + i)
   build = dict(config=tiny_checkpoint_config(), vocabulary=VOCAB)
   multi = distillation_modes.build_multi_teacher_distillation_model(
     teacher_checkpoint_paths=[str(tmp_path / "teacher0"), str(tmp_path / "teacher1")],
@@ -230,9 +190,9 @@ def test_multi_teacher_and_self_distillation_train_and_save_the_student(tmp_path
   )
   assert [t.network_config for t in multi.teachers] == configs
   selfd = distillation_modes.build_self_distillation_model(ema_decay=0.9, **build)
-  plain_target = jax.eval_shape(lambda: _params(tiny_checkpoint_config(), 0))
+  plain_target = jax.eval_shape(lambda: init_params(tiny_checkpoint_config(), 0))
   for name, model in (("multi", multi), ("self", selfd)):
-    state = _train(tmp_path / name, 2, model)
+    state = train_on_task(TASK, tmp_path / name, 2, model)
     records = _train_records(tmp_path / name)
     assert [r["step"] for r in records] == [1, 2]
     assert records[-1]["distill_kl"] > 0
@@ -251,8 +211,8 @@ def _one_line_error(build, message: str, **kwargs) -> None:
 
 
 def test_bad_settings_are_one_line_errors_naming_the_binding(tmp_path):
-  _save_teacher(tmp_path / "a", tiny_checkpoint_config())
-  _save_teacher(tmp_path / "wide", tiny_checkpoint_config(vocab_size=384))
+  save_params_checkpoint(tmp_path / "a", tiny_checkpoint_config())
+  save_params_checkpoint(tmp_path / "wide", tiny_checkpoint_config(vocab_size=384))
   build = dict(config=tiny_checkpoint_config(), vocabulary=VOCAB)
   multi = distillation_modes.build_multi_teacher_distillation_model
   paths = [str(tmp_path / "a"), str(tmp_path / "a")]
@@ -286,7 +246,7 @@ def _save_teacher_with_vocabulary(root, digest: str) -> None:
   config = tiny_checkpoint_config()
   fingerprint = {"sentencepiece_model_file": root.name, "sha256": digest, "extra_ids": 100}
   items = {
-    checkpoints.PARAMS: ocp.args.StandardSave(jax.device_get(_params(config, 7))),
+    checkpoints.PARAMS: ocp.args.StandardSave(jax.device_get(init_params(config, 7))),
     checkpoints.TRAIN_META: ocp.args.JsonSave(
       {
         checkpoints.MODEL_CONFIG_KEY: dataclasses.asdict(config),

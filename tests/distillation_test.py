@@ -1,11 +1,9 @@
 """Distillation: the loss against hand computations and the plain loss, gradients that
 reach the student only, and a student trained and resumed against a saved teacher."""
 
-import dataclasses
 import json
 import os
 
-import flax.linen as nn
 import gin
 import jax
 import jax.numpy as jnp
@@ -16,12 +14,16 @@ import tensorflow as tf
 from t5x_lite import distillation, models
 from t5x_lite.core import errors, gin_config
 from t5x_lite.nn import network
-from t5x_lite.data import pipeline
 from t5x_lite.checkpoint import checkpoints
 from t5x_lite.training import optimizers, partitioning, trainer
-from t5x_lite.run import train_lib
 from text_tasks import VOCAB, register_text_task
-from tiny_models import tiny_checkpoint_config
+from tiny_models import (
+  random_batch,
+  train_on_task,
+  init_params,
+  save_params_checkpoint,
+  tiny_checkpoint_config,
+)
 
 TASK = "distillation_test_text"
 
@@ -34,19 +36,6 @@ def _source(split: str, shuffle_files: bool, seed: int | None = None) -> tf.data
 
 register_text_task(TASK, _source, ["train", "validation"])
 pytestmark = pytest.mark.usefixtures("clean_gin")
-
-
-def _batch(seed: int = 0, batch: int = 3, inputs: int = 7, targets: int = 5) -> dict:
-  rng = np.random.default_rng(seed)
-  decoder_target_tokens = rng.integers(2, 300, (batch, targets)).astype(np.int32)
-  decoder_target_tokens[0, -2:] = 0  # padding: zero loss weight
-  decoder_input_tokens = np.pad(decoder_target_tokens[:, :-1], ((0, 0), (1, 0)))
-  return {
-    "encoder_input_tokens": rng.integers(2, 300, (batch, inputs)).astype(np.int32),
-    "decoder_input_tokens": decoder_input_tokens,
-    "decoder_target_tokens": decoder_target_tokens,
-    "decoder_loss_weights": (decoder_target_tokens > 0).astype(np.float32),
-  }
 
 
 def _student(alpha: float, temperature: float, teacher_config: network.T5Config):
@@ -62,10 +51,6 @@ def _student(alpha: float, temperature: float, teacher_config: network.T5Config)
   ), models.EncoderDecoderModel(
     network.Transformer(tiny_checkpoint_config()), VOCAB, VOCAB, **kwargs
   )
-
-
-def _params(config: network.T5Config, seed: int):
-  return nn.meta.unbox(network.init_params(config, jax.random.PRNGKey(seed)))
 
 
 def test_soft_target_kl_matches_a_hand_computation():
@@ -91,8 +76,8 @@ def test_soft_target_kl_matches_a_hand_computation():
 def test_alpha_zero_is_the_plain_loss_and_gradients():
   teacher_config = tiny_checkpoint_config(emb_dim=48, num_encoder_layers=2)  # any size
   model, plain = _student(0.0, 2.0, teacher_config)
-  params, teacher = _params(model.network_config, 0), _params(teacher_config, 1)
-  batch = _batch()
+  params, teacher = init_params(model.network_config, 0), init_params(teacher_config, 1)
+  batch = random_batch(batch=3)
   distilled = jax.jit(
     lambda p, t: jax.value_and_grad(model.loss_fn, has_aux=True)(p, batch, None, aux_state=t)
   )
@@ -112,15 +97,15 @@ def test_alpha_zero_is_the_plain_loss_and_gradients():
 def test_objective_combines_both_terms_and_teacher_equal_to_student_gives_zero_kl():
   alpha, t = 0.3, 1.0
   model, plain = _student(alpha, t, tiny_checkpoint_config())
-  params = _params(model.network_config, 0)
-  batch = _batch(seed=1)
+  params = init_params(model.network_config, 0)
+  batch = random_batch(seed=1, batch=3)
   loss, sums = model.loss_fn(params, batch, None, aux_state=params)
   assert abs(float(sums["distill_kl"])) < 1e-6
   plain_loss, _ = plain.loss_fn(params, batch, None)
   np.testing.assert_allclose(loss, (1 - alpha) * plain_loss, rtol=1e-5)
   # With another teacher: loss = alpha T^2 KL + (1 - alpha) CE, KL normalised like CE.
   model, _ = _student(alpha, 3.0, tiny_checkpoint_config())
-  teacher = _params(model.network_config, 5)
+  teacher = init_params(model.network_config, 5)
   loss, sums = model.loss_fn(params, batch, None, aux_state=teacher)
   student_logits = model.student.teacher_forced_logits(params, batch, None)
   teacher_logits = model.teacher_logits(teacher, batch)
@@ -138,8 +123,8 @@ def test_objective_combines_both_terms_and_teacher_equal_to_student_gives_zero_k
 def test_gradients_reach_the_student_only_and_the_step_keeps_the_teacher():
   teacher_config = tiny_checkpoint_config(emb_dim=48)
   model, _ = _student(0.7, 2.0, teacher_config)
-  params, teacher = _params(model.network_config, 0), _params(teacher_config, 1)
-  batch = _batch(seed=2, batch=8)  # divisible by the 4-way data axis below
+  params, teacher = init_params(model.network_config, 0), init_params(teacher_config, 1)
+  batch = random_batch(seed=2, batch=8)  # divisible by the 4-way data axis below
   teacher_grads = jax.jit(jax.grad(lambda tp: model.loss_fn(params, batch, None, aux_state=tp)[0]))(
     teacher
   )
@@ -161,40 +146,13 @@ def test_gradients_reach_the_student_only_and_the_step_keeps_the_teacher():
   assert float(metrics["distill_kl"]) > 0
   assert not np.array_equal(
     jax.device_get(new_state.params["decoder"]["logits_dense"]["kernel"]),
-    jax.device_get(_params(model.network_config, 0)["decoder"]["logits_dense"]["kernel"]),
-  )
-
-
-def _dataset() -> pipeline.DatasetConfig:
-  return pipeline.DatasetConfig(
-    mixture_or_task_name=TASK,
-    task_feature_lengths={"inputs": 40, "targets": 40},
-    batch_size=8,
-    pack=False,
-  )
-
-
-def _train(model_dir, steps: int, model: models.EncoderDecoderModel):
-  return train_lib.train(
-    model_dir=str(model_dir),
-    total_steps=steps,
-    model=model,
-    optimizer=optimizers.adafactor(learning_rate=0.01),
-    train_dataset_cfg=_dataset(),
-    log_period=1,
-  )
-
-
-def _save_teacher(root, config: network.T5Config) -> None:
-  """A params-only checkpoint with its config (what tools/convert_hf_checkpoint.py writes)."""
-  checkpoints.write_params_checkpoint(
-    root, jax.device_get(_params(config, 7)), config=dataclasses.asdict(config)
+    jax.device_get(init_params(model.network_config, 0)["decoder"]["logits_dense"]["kernel"]),
   )
 
 
 def test_student_trains_and_resumes_against_a_saved_teacher_of_another_size(tmp_path):
   teacher_config = tiny_checkpoint_config(emb_dim=48, num_decoder_layers=2)
-  _save_teacher(tmp_path / "teacher", teacher_config)
+  save_params_checkpoint(tmp_path / "teacher", teacher_config)
   # The student's own T5Config bindings do not leak into the teacher's stored config.
   gin.bind_parameter("T5Config.emb_dim", 16)
   student = distillation.build_distillation_model(
@@ -205,7 +163,7 @@ def test_student_trains_and_resumes_against_a_saved_teacher_of_another_size(tmp_
     vocabulary=VOCAB,
   )
   assert student.teacher.network_config == teacher_config
-  state = _train(tmp_path / "student", 2, student)
+  state = train_on_task(TASK, tmp_path / "student", 2, student, length=40)
   with open(os.path.join(tmp_path / "student", "metrics.jsonl")) as f:
     records = [r for r in map(json.loads, f) if r["split"] == "train"]
   assert [r["step"] for r in records] == [1, 2]
@@ -214,17 +172,17 @@ def test_student_trains_and_resumes_against_a_saved_teacher_of_another_size(tmp_
   saved = checkpoints.saved_shapes(tmp_path / "student" / "2" / checkpoints.PARAMS)
   assert saved["token_embedder/embedding"] == (320, 32)
   assert saved == checkpoints.flat_shapes(jax.device_get(state.params))
-  resumed = _train(tmp_path / "student", 3, student)
+  resumed = train_on_task(TASK, tmp_path / "student", 3, student, length=40)
   assert int(resumed.step) == 3
   expected_teacher = checkpoints.restore_params(
     tmp_path / "teacher",
-    jax.eval_shape(lambda: _params(teacher_config, 0)),
+    jax.eval_shape(lambda: init_params(teacher_config, 0)),
   )
   jax.tree.map(np.testing.assert_array_equal, jax.device_get(resumed.aux_state), expected_teacher)
 
 
 def test_bad_teacher_or_settings_are_one_line_errors(tmp_path):
-  _save_teacher(tmp_path / "teacher", tiny_checkpoint_config(vocab_size=384))
+  save_params_checkpoint(tmp_path / "teacher", tiny_checkpoint_config(vocab_size=384))
   build = dict(config=tiny_checkpoint_config(), vocabulary=VOCAB)
   cases = [
     (dict(teacher_checkpoint_path=str(tmp_path / "teacher")), "vocab_size 384"),
@@ -238,7 +196,7 @@ def test_bad_teacher_or_settings_are_one_line_errors(tmp_path):
     lines = [line for line in str(e.value).splitlines() if "In call to configurable" not in line]
     assert len(lines) == 1, str(e.value)  # gin's note is dropped by `errors.fail`
   gin.bind_parameter("EncoderDecoderModel.loss_chunk_length", 16)
-  _save_teacher(tmp_path / "same_vocab", tiny_checkpoint_config())
+  save_params_checkpoint(tmp_path / "same_vocab", tiny_checkpoint_config())
   with pytest.raises(errors.ConfigError, match="unset EncoderDecoderModel.loss_chunk_length"):
     distillation.build_distillation_model(
       teacher_checkpoint_path=str(tmp_path / "same_vocab"), **build
