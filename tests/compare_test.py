@@ -75,6 +75,7 @@ def test_an_unknown_variant_is_one_error_line(tmp_path):
 def test_the_electra_row_pretrains_for_span_corruptions_flops_and_fine_tunes(tmp_path):
   import gin
 
+  from t5x_lite.checkpoint import checkpoints
   from t5x_lite.core import gin_config
   from t5x_lite.nn import flops, network
 
@@ -102,5 +103,12 @@ def test_the_electra_row_pretrains_for_span_corruptions_flops_and_fine_tunes(tmp
   assert row["pretrain_steps"] == round(6 * span_corruption / row["flops_per_token"]) < 6
   saved = sorted(p.name for p in (table / "electra/pretrain").iterdir() if p.name.isdigit())
   assert saved == [str(row["pretrain_steps"])]
+  # The pre-training ran the ELECTRA model through the train entry point: its terms are
+  # logged and the generator and RTD head are saved beside the network.
+  metrics = (table / "electra/pretrain/metrics.jsonl").read_text()
+  for name in ("electra_mlm", "electra_rtd", "electra_clm", "rtd_accuracy", "replaced_fraction"):
+    assert f'"{name}"' in metrics, name
+  shapes = checkpoints.saved_shapes(table / "electra/pretrain" / saved[0] / checkpoints.PARAMS)
+  assert any(p.startswith("generator/") for p in shapes) and "rtd_head/kernel" in shapes
   assert 0 <= row["sst2_accuracy"] <= 100 and 0 <= row["rte_accuracy"] <= 100
   assert "(its generator counted)" in (table / "results.md").read_text()

@@ -1,12 +1,10 @@
 """ELECTRA-style pre-training (t5x_lite/electra.py): RTD labels, where gradients go, the
-loss against a hand computation, sharded training, restores without the generator, bad
-settings, and the quickstart run through the train entry point."""
+loss against a hand computation, sharded training, restores without the generator and bad
+settings. The train entry point runs ELECTRA in tests/compare_test.py (its objectives row)
+and in the documentation test (docs/training.md's quickstart_electra.gin)."""
 
 import dataclasses
 import logging
-import os
-import subprocess
-import sys
 
 import flax.linen as nn
 import gin
@@ -24,7 +22,6 @@ from t5x_lite.training import partitioning
 from text_tasks import VOCAB
 from tiny_models import tiny_checkpoint_config, tiny_config, train_losses
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = pytest.mark.usefixtures("clean_gin")
 CONFIG = tiny_config(vocab_size=320, num_encoder_layers=1, num_decoder_layers=1)
 
@@ -288,41 +285,3 @@ def test_electra_gin_binds_the_model_and_its_macros():
   model = electra.build_electra_model()
   assert model.generator.emb_dim == model.network_config.emb_dim // 4
   assert model.mask_id == model.input_vocabulary.vocab_size - 1
-
-
-@pytest.mark.slow
-def test_the_train_entry_point_runs_the_electra_quickstart(tmp_path):
-  env = {**os.environ, "PYTHONPATH": os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")])}
-  model_dir = tmp_path / "run"
-  command = [
-    sys.executable,
-    "-m",
-    "t5x_lite.train",
-    f"--gin_search_paths={REPO}/gin",
-    "--gin_file=quickstart_electra.gin",
-    f"--gin.MODEL_DIR='{model_dir}'",
-    "--gin.TRAIN_STEPS=2",
-    "--gin.BATCH_SIZE=8",
-    "--gin.EVAL_PERIOD=0",
-    "--gin.train.log_period=1",
-  ]
-  result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True)
-  assert result.returncode == 0, result.stderr[-3000:]
-  metrics = (model_dir / "metrics.jsonl").read_text()
-  for name in ("electra_mlm", "electra_rtd", "electra_clm", "rtd_accuracy", "replaced_fraction"):
-    assert f'"{name}"' in metrics, name
-  bad = subprocess.run(
-    command + ["--gin.ELECTRA_RTD_WEIGHT=-1.0", f"--gin.MODEL_DIR='{tmp_path / 'bad'}'"],
-    cwd=tmp_path,
-    env=env,
-    capture_output=True,
-    text=True,
-  )
-  assert bad.returncode == 1
-  assert bad.stderr.strip().splitlines()[-1] == (
-    "ERROR: build_electra_model.rtd_weight must be >= 0, got -1.0."
-  )
-  [(step, step_dir)] = checkpoints.find_steps(model_dir)
-  assert step == 2
-  saved = checkpoints.saved_shapes(step_dir / checkpoints.PARAMS)
-  assert any(p.startswith("generator/") for p in saved) and "rtd_head/kernel" in saved
