@@ -78,6 +78,9 @@ def initialize_distributed() -> None:
 def setup(optional_macros: Sequence[str] = ()) -> None:
   """Multi-host init, TFDS dir, task modules, gin: the first call of an entry point.
 
+  Also has AutoGraph leave t5x_lite's and seqio's preprocessing as written
+  (`t5x_lite.data.autograph_rules`), said in the `Start-up:` line.
+
   Args:
     optional_macros: `%gin.REQUIRED` macros this run does not need (e.g.
       MODEL_DIR for --precompile); every other one must be set.
@@ -88,8 +91,10 @@ def setup(optional_macros: Sequence[str] = ()) -> None:
   """
   import seqio  # TensorFlow: only for the entry points that read data
 
-  from t5x_lite.data import pipeline
+  from t5x_lite.data import autograph_rules, pipeline
 
+  autograph_rules.install()
+  console.add_startup_choice("AutoGraph leaves t5x_lite's and seqio's preprocessing as written")
   console.quiet_library_logs()  # logs the entry point's start-up choices
   initialize_distributed()
   if FLAGS.tfds_data_dir:

@@ -7,7 +7,9 @@ import tensorflow as tf
 from tensorflow.python.autograph.core import config as autograph_config
 from tensorflow.python.autograph.impl import conversion
 
-from t5x_lite.data import autograph_rules, noise, pipeline  # noqa: F401  (installs the rules)
+from t5x_lite.data import autograph_rules, noise
+
+autograph_rules.install()  # what the entry points do at start-up
 
 
 def _branchy(x):

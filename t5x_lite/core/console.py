@@ -351,6 +351,12 @@ def quiet_startup(import_tensorflow: bool = True, compilation_cache: bool = True
   return list(_CHOICES)
 
 
+def add_startup_choice(phrase: str) -> None:
+  """Records a choice an entry point made after `quiet_startup` (for the `Start-up:` line)."""
+  if phrase not in _CHOICES:
+    _CHOICES.append(phrase)
+
+
 def startup_choices() -> list[str]:
   """What `quiet_startup` set in this process ([] if it was not called)."""
   return list(_CHOICES)

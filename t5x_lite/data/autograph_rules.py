@@ -13,6 +13,9 @@ over tensors in Python and keeps the conversion, as do the functions of any othe
 A function of these modules that did branch on a tensor in Python would fail while
 tracing (`OperatorNotAllowedInGraphError`) rather than behave differently, so a mistake
 here cannot change the data silently.
+
+Importing this module changes nothing: the entry points call `install()` at start-up
+(`t5x_lite.cli.setup`, said in the `Start-up:` log line); Python code may call it too.
 """
 
 from __future__ import annotations
@@ -31,7 +34,8 @@ AS_WRITTEN = (
 
 
 def install() -> None:
-  """Puts `AS_WRITTEN` first in AutoGraph's conversion rules (once per process)."""
+  """Puts `AS_WRITTEN` first in AutoGraph's conversion rules, for the whole process
+  (a second call adds nothing)."""
   rules = autograph_config.CONVERSION_RULES
   present = {getattr(rule, "_prefix", None) for rule in rules}
   new = tuple(autograph_config.DoNotConvert(m) for m in AS_WRITTEN if m not in present)

@@ -56,11 +56,9 @@ from absl import logging
 from jax.sharding import Sharding
 
 from t5x_lite.nn import network
-from t5x_lite.data import autograph_rules, preprocessors
+from t5x_lite.data import preprocessors
 from t5x_lite.core.errors import ConfigError
 from t5x_lite.core.types import GIN_REQUIRED
-
-autograph_rules.install()  # the datasets built here trace without AutoGraph's rewrite
 
 CHECKPOINT_MODES = ("iterator", "skip")
 # Examples per task that `truncation_report` measures by default.
