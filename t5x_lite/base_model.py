@@ -20,8 +20,9 @@ predict and are saved as the T5 model they are built around.
 Auxiliary state is a pytree a model keeps beside its trained params (a teacher's params,
 an average of the params): the trainer shards it by its logical axes (`init_aux_state`),
 the training loop makes it at every start (`start_aux_state`), the train step passes it to
-`loss_fn` and replaces it after the update (`update_aux_state`). It gets no gradients, no
-optimizer state and no checkpoint.
+`loss_fn` and replaces it after the update (`update_aux_state`). It gets no gradients and
+no optimizer state; a model whose state evolves in training (an EMA teacher) sets
+`checkpoint_aux_state`, and each training step saves it and a resume restores it.
 
 Metrics travel as sums (`losses.metric_sums`) so they add over microbatches;
 `finalize_metrics` turns them into the reported values.
@@ -61,6 +62,10 @@ class BaseModel(abc.ABC):
 
   input_vocabulary: seqio.Vocabulary
   output_vocabulary: seqio.Vocabulary
+  # Whether training checkpoints keep the auxiliary state, so a resumed run continues it
+  # (True for state that `update_aux_state` changes); False: `start_aux_state` makes it
+  # at every start, a resume included.
+  checkpoint_aux_state: bool = False
 
   @property
   @abc.abstractmethod

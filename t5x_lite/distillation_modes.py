@@ -134,6 +134,8 @@ class SelfDistillationModel(distillation.DistillationModel):
     temperature: softmax temperature T > 0.
   """
 
+  checkpoint_aux_state = True  # the average continues across a resume
+
   def __init__(
     self,
     student: models.BaseTransformerModel,

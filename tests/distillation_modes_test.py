@@ -203,6 +203,23 @@ def test_multi_teacher_and_self_distillation_train_and_save_the_student(tmp_path
     jax.tree.map(np.testing.assert_array_equal, restored, jax.device_get(state.params))
 
 
+def test_a_resumed_self_distillation_run_continues_its_average_exactly(tmp_path):
+  build = dict(ema_decay=0.5, config=tiny_checkpoint_config(), vocabulary=VOCAB)
+  model = distillation_modes.build_self_distillation_model(**build)
+  straight = train_on_task(TASK, tmp_path / "straight", 4, model)
+  train_on_task(TASK, tmp_path / "resumed", 2, model)
+  saved = checkpoints.saved_shapes(tmp_path / "resumed" / "2" / checkpoints.AUX_STATE)
+  assert saved == checkpoints.saved_shapes(tmp_path / "resumed" / "2" / checkpoints.PARAMS)
+  resumed = train_on_task(TASK, tmp_path / "resumed", 4, model)
+  # Restarting the average from the resumed params would change steps 3 and 4.
+  for a, b in ((straight.aux_state, resumed.aux_state), (straight.params, resumed.params)):
+    jax.tree.map(np.testing.assert_array_equal, jax.device_get(a), jax.device_get(b))
+  last = [_train_records(tmp_path / run)[-1] for run in ("straight", "resumed")]
+  assert [(r["step"], r["loss"], r["distill_kl"]) for r in last] == [
+    (4, last[0]["loss"], last[0]["distill_kl"])
+  ] * 2
+
+
 def _one_line_error(build, message: str, **kwargs) -> None:
   with pytest.raises(errors.UserError, match=message) as e:
     build(**kwargs)

@@ -69,6 +69,9 @@ PARAMS = "params"
 OPT_STATE = "opt_state"
 TRAIN_META = "train_meta"
 DATA_ITERATOR = "data_iterator"
+# A model's auxiliary state, in the steps of a model that keeps it across resumes
+# (`BaseModel.checkpoint_aux_state`: an EMA teacher).
+AUX_STATE = "aux_state"
 CONFIG = "config"
 # Key of the T5Config fields inside the `train_meta` item.
 MODEL_CONFIG_KEY = "model_config"

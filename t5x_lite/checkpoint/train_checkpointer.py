@@ -26,6 +26,7 @@ from etils import epath
 from t5x_lite.checkpoint import save_failure
 from t5x_lite.checkpoint.manifest import newest_intact, verify_files, write_file_manifest
 from t5x_lite.checkpoint.checkpoints import (
+  AUX_STATE,
   DATA_ITERATOR,
   OPT_STATE,
   PARAMS,
@@ -129,6 +130,7 @@ class Restored:
   params: Any
   opt_state: Any
   meta: dict[str, Any]
+  aux_state: Any = None  # None: not asked for, or the step has none
 
 
 @gin.configurable
@@ -186,7 +188,7 @@ class TrainCheckpointer:
       cleanup_tmp_directories=True,
     )
     registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
-    for item in (PARAMS, OPT_STATE):
+    for item in (PARAMS, OPT_STATE, AUX_STATE):
       registry.add(item, ocp.args.StandardSave, ocp.StandardCheckpointHandler)
       registry.add(item, ocp.args.StandardRestore, ocp.StandardCheckpointHandler)
     registry.add(TRAIN_META, ocp.args.JsonSave, ocp.JsonCheckpointHandler)
@@ -237,6 +239,7 @@ class TrainCheckpointer:
     opt_state: Any,
     meta: Mapping[str, Any],
     iterator: CheckpointableIterator | None = None,
+    aux_state: Any = None,
   ) -> bool:
     """Starts saving one step; returns False if the step already exists.
 
@@ -247,6 +250,7 @@ class TrainCheckpointer:
       meta: JSON-serialisable dict (rng, data position, config, ...);
         `step` is added.
       iterator: the training input iterator, saved per host.
+      aux_state: the model's auxiliary state, saved when given (not None).
 
     Raises:
       WriteError: this save, or the one before it, failed writing (a full disk).
@@ -257,7 +261,7 @@ class TrainCheckpointer:
       return False
     self._finish_pending()
     with self._reporting_failure(step):
-      self._start_save(step, params, opt_state, meta, iterator)
+      self._start_save(step, params, opt_state, meta, iterator, aux_state)
     self._unmanifested = step
     return True
 
@@ -268,6 +272,7 @@ class TrainCheckpointer:
     opt_state: Any,
     meta: Mapping[str, Any],
     iterator: CheckpointableIterator | None,
+    aux_state: Any = None,
   ) -> None:
     items = {
       PARAMS: ocp.args.StandardSave(params),
@@ -276,6 +281,8 @@ class TrainCheckpointer:
     }
     if iterator is not None:
       items[DATA_ITERATOR] = IteratorSave(iterator)
+    if aux_state is not None:
+      items[AUX_STATE] = ocp.args.StandardSave(aux_state)
     self._manager.save(step, args=ocp.args.Composite(**items), force=True)
 
   @contextlib.contextmanager
@@ -305,6 +312,7 @@ class TrainCheckpointer:
     abstract_opt_state: Any,
     iterator: CheckpointableIterator | None = None,
     check_meta: MetaCheck | None = None,
+    abstract_aux_state: Any = None,
   ) -> Restored:
     """Restores a training step into the shardings of the abstract trees.
 
@@ -315,6 +323,8 @@ class TrainCheckpointer:
       iterator: the input iterator to move to the saved position.
       check_meta: called with the step and its `train_meta` before anything
         else is restored; raises when this run cannot resume it.
+      abstract_aux_state: the auxiliary state's tree of the same kind, restored when
+        given and the step has one (else `Restored.aux_state` is None).
 
     Raises:
       CheckpointMismatchError: the step holds a different model/optimizer.
@@ -327,10 +337,13 @@ class TrainCheckpointer:
       check_meta(step, meta)
     params = restore_item(step_dir / PARAMS, abstract_params, PARAMS)
     opt_state = restore_item(step_dir / OPT_STATE, abstract_opt_state, OPT_STATE)
+    aux_state = None
+    if abstract_aux_state is not None and (step_dir / AUX_STATE).exists():
+      aux_state = restore_item(step_dir / AUX_STATE, abstract_aux_state, AUX_STATE)
     if iterator is not None:
       self._restore_items(step, {DATA_ITERATOR: IteratorRestore(iterator)})
     logging.info("Restored training checkpoint %s", step_dir)
-    return Restored(step=step, params=params, opt_state=opt_state, meta=meta)
+    return Restored(step=step, params=params, opt_state=opt_state, meta=meta, aux_state=aux_state)
 
   def _restore_items(self, step: int, items: Mapping[str, ocp.args.CheckpointArgs]) -> Any:
     """Orbax's restore of some items of `step`; its errors name the step directory."""
@@ -347,6 +360,7 @@ class TrainCheckpointer:
     abstract_opt_state: Any,
     iterator: CheckpointableIterator | None = None,
     check_meta: MetaCheck | None = None,
+    abstract_aux_state: Any = None,
   ) -> Restored | None:
     """Restores the newest intact step (see `restore`); None without any step.
 
@@ -365,7 +379,9 @@ class TrainCheckpointer:
     step, restored = newest_intact(
       self.directory,
       steps,
-      lambda s: self.restore(s, abstract_params, abstract_opt_state, iterator, check_meta),
+      lambda s: self.restore(
+        s, abstract_params, abstract_opt_state, iterator, check_meta, abstract_aux_state
+      ),
     )
     self._corrupt = [s for s in steps if s > step]
     return restored

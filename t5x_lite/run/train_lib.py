@@ -150,7 +150,10 @@ def _setup_state(
   """
   init_rng, rng = jax.random.split(jax.random.PRNGKey(random_seed))
   abstract, shardings = trainer.abstract_train_state(model, optimizer, partitioner)
-  restored = ckpt.restore_latest(abstract.params, abstract.opt_state, train_iter, check_meta)
+  kept_aux = abstract.aux_state if model.checkpoint_aux_state else None
+  restored = ckpt.restore_latest(
+    abstract.params, abstract.opt_state, train_iter, check_meta, abstract_aux_state=kept_aux
+  )
   elapsed_s = 0.0
   if restored is not None:
     elapsed_s = float(restored.meta.get(ELAPSED_KEY, 0.0))
@@ -188,8 +191,10 @@ def _setup_state(
         state = state.replace(step=step, opt_state=start.opt_state)
     elif restore_config is not None:
       logging.warning("train.restore_config is ignored: train.initial_checkpoint_path is not set")
-  # Never checkpointed: the model makes it anew at every start (a teacher restores it).
-  state = state.replace(aux_state=model.start_aux_state(abstract.aux_state, state.params))
+  if restored is not None and restored.aux_state is not None:
+    state = state.replace(aux_state=restored.aux_state)  # kept by the model across resumes
+  else:  # the model makes it at the start (a frozen teacher restores its own checkpoint)
+    state = state.replace(aux_state=model.start_aux_state(abstract.aux_state, state.params))
   restored_step = None if restored is None else restored.step
   return _Setup(state, shardings, rng, model.network_config, partitioner, elapsed_s, restored_step)
 
@@ -347,7 +352,8 @@ class _Loop:
       train_checks.TRAIN_DATA_KEY: self.train_data,
       ELAPSED_KEY: time.time() - self.started,
     }
-    if self.ckpt.save(step, state.params, state.opt_state, meta, self.train_iter):
+    aux_state = state.aux_state if self.model.checkpoint_aux_state else None
+    if self.ckpt.save(step, state.params, state.opt_state, meta, self.train_iter, aux_state):
       self.last_saved = step
 
   def _maybe_eval(self, state: trainer.TrainState, step: int) -> dict[str, float]:
