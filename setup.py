@@ -16,7 +16,6 @@ INSTALL_REQUIRES = [
   "orbax-checkpoint>=0.12.8,<0.13",
   "rouge-score>=0.1.2,<0.2",
   "sacrebleu>=2.4,<3",
-  "scikit-learn>=1.5,<2",
   "scipy>=1.13,<2",
   "sentencepiece>=0.2.0,<0.3",
   "seqio>=0.0.20,<0.0.21",

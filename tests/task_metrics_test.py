@@ -58,6 +58,34 @@ def test_log_lines_say_which_metrics_are_correlations_times_100():
   assert task_metrics.matthews_corrcoef([0, 1, 1, 0], [0, 1, 1, 0]) == {"matthews_corrcoef": 100.0}
 
 
+def test_matthews_correlation_matches_hand_computations():
+  # Binary: tp=2, tn=1, fp=1, fn=1: (2*1 - 1*1) / sqrt(3*3*2*2) = 1/6.
+  mcc = task_metrics.matthews_corrcoef([1, 1, 1, 0, 0], [1, 1, 0, 1, 0])["matthews_corrcoef"]
+  assert mcc == pytest.approx(100 / 6)
+  assert task_metrics.matthews_corrcoef([0, 1, 0, 1], [1, 0, 1, 0]) == {"matthews_corrcoef": -100.0}
+  # One predicted class only: undefined, reported as 0.
+  assert task_metrics.matthews_corrcoef([0, 1, 1], [1, 1, 1]) == {"matthews_corrcoef": 0.0}
+  # An invalid prediction (-1) is a third class (Gorodkin). Over the labels (-1, 0, 1):
+  # target counts (0, 1, 2), prediction counts (1, 1, 1), 2 right of n = 3:
+  # (2*3 - 3) / sqrt((9 - 5) * (9 - 3)) = 3 / sqrt(24).
+  mcc = task_metrics.matthews_corrcoef([0, 1, 1], [0, -1, 1])["matthews_corrcoef"]
+  assert mcc == pytest.approx(100 * 3 / 24**0.5)
+  # Three classes, all right but one: per-class counts t = (2, 1, 1), p = (1, 2, 1), trace 3,
+  # n = 4: (3*4 - 5) / sqrt((16 - 6) * (16 - 6)) = 0.7.
+  mcc = task_metrics.matthews_corrcoef([0, 0, 1, 2], [0, 1, 1, 2])["matthews_corrcoef"]
+  assert mcc == pytest.approx(70.0)
+
+
+def test_binary_f1_matches_hand_computations():
+  # tp=1, fp=1, fn=1: 2/(2+1+1).
+  assert task_metrics.f1_with_invalid([1, 1, 0, 0], [1, 0, 1, 0]) == {"f1": 50.0}
+  # No positive targets and no positive predictions: 0, not a division by zero.
+  assert task_metrics.f1_with_invalid([0, 0], [0, 0]) == {"f1": 0.0}
+  # An invalid prediction is wrong either way: for target 1 a false negative, for 0 a false
+  # positive: tp=1, fn=1, fp=1.
+  assert task_metrics.f1_with_invalid([1, 1, 0], [1, 7, -1]) == {"f1": 50.0}
+
+
 def test_a_question_without_answers_is_right_only_when_the_prediction_is_empty():
   """SQuAD 2.0's unanswerable questions: the official v2.0 script scores 1 for an empty
   prediction (exact match and F1; "The." normalises to empty) and 0 for any other."""

@@ -15,9 +15,6 @@ from typing import Any, Optional
 
 import numpy as np
 import sacrebleu
-import scipy.stats
-import sklearn.metrics
-from rouge_score import rouge_scorer
 
 INVALID_LABEL = -1
 # Correlations, in [-1, 1], reported times 100 like T5's; `shown` marks them in log lines
@@ -87,20 +84,42 @@ def f1_with_invalid(targets: Sequence[int], predictions: Sequence[int]) -> dict[
   target_ids, predicted = np.asarray(targets), np.asarray(predictions)
   invalid = (predicted != 0) & (predicted != 1)
   predicted = np.where(invalid, 1 - target_ids, predicted)
-  return {"f1": 100.0 * float(sklearn.metrics.f1_score(target_ids, predicted))}
+  true_pos = int(np.sum((predicted == 1) & (target_ids == 1)))
+  false_pos = int(np.sum((predicted == 1) & (target_ids != 1)))
+  false_neg = int(np.sum((predicted != 1) & (target_ids == 1)))
+  counted = 2 * true_pos + false_pos + false_neg
+  # No positive target and no positive prediction: 0, as scikit-learn's f1_score gives.
+  return {"f1": 100.0 * 2 * true_pos / counted if counted else 0.0}
 
 
 def matthews_corrcoef(targets: Sequence[int], predictions: Sequence[int]) -> dict[str, float]:
-  """Matthews correlation (CoLA), times 100."""
-  return {
-    "matthews_corrcoef": 100.0 * float(sklearn.metrics.matthews_corrcoef(targets, predictions))
-  }
+  """Matthews correlation (CoLA), times 100: Gorodkin's multiclass form, so an invalid
+  prediction (-1) is a class of its own; 0 where either side has a single class (what
+  scikit-learn's matthews_corrcoef computes)."""
+  labels, codes = np.unique(
+    np.concatenate([np.asarray(targets), np.asarray(predictions)]), return_inverse=True
+  )
+  n = len(targets)
+  confusion = np.zeros((len(labels), len(labels)), np.float64)  # [target, predicted]
+  np.add.at(confusion, (codes[:n], codes[n:]), 1.0)
+  per_target, per_prediction = confusion.sum(axis=1), confusion.sum(axis=0)  # [labels]
+  covariance = np.trace(confusion) * n - per_target @ per_prediction
+  target_variance = n * n - per_target @ per_target
+  prediction_variance = n * n - per_prediction @ per_prediction
+  if target_variance * prediction_variance == 0:
+    return {"matthews_corrcoef": 0.0}
+  correlation = covariance / np.sqrt(target_variance * prediction_variance)
+  return {"matthews_corrcoef": 100.0 * float(correlation)}
 
 
 def pearson_spearman(targets: Sequence[float], predictions: Sequence[float]) -> dict[str, float]:
   """Pearson and Spearman correlations (STS-B), times 100; NaN predictions -> 0."""
   predicted = np.nan_to_num(np.asarray(predictions, np.float64), nan=0.0)
   expected = np.asarray(targets, np.float64)
+  # Imported here, like rouge_score below: each takes most of a second to import, in
+  # every process that registers the tasks, and few tasks score with it.
+  import scipy.stats  # noqa: PLC0415
+
   # (scipy's result tuples have no item types, so float() of an item does not type-check.)
   pearson = scipy.stats.pearsonr(expected, predicted)[0]
   spearman = scipy.stats.spearmanr(expected, predicted)[0]
@@ -117,6 +136,8 @@ def bleu(targets: Sequence[str], predictions: Sequence[str]) -> dict[str, float]
 
 def rouge(targets: Sequence[str], predictions: Sequence[str]) -> dict[str, float]:
   """Mean ROUGE-1/2/Lsum F-measures over examples, times 100 (deterministic)."""
+  from rouge_score import rouge_scorer  # noqa: PLC0415  (see pearson_spearman)
+
   types = ("rouge1", "rouge2", "rougeLsum")
   scorer = rouge_scorer.RougeScorer(types)
   # rougeLsum treats newlines as sentence boundaries.
