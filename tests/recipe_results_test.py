@@ -6,7 +6,10 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
+
+from t5x_lite.data import task_metrics
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "tools"))
@@ -55,4 +58,93 @@ def test_a_directory_that_is_not_a_finished_run_is_one_error_line(tmp_path):
   assert result.returncode == 1
   assert result.stderr.strip().splitlines() == [
     f"ERROR: {tmp_path}/best.json not found: is it a finished recipe run's MODEL_DIR?"
+  ]
+
+
+def _write_decodings(model_dir, metric: str, rows: list[tuple[str, object, object]]) -> None:
+  """A finished run whose final evaluation decoded `rows` of (inputs, target, prediction)."""
+  task = metric.split("/")[0]
+  os.makedirs(os.path.join(model_dir, "final_eval", "inferences"))
+  with open(os.path.join(model_dir, "best.json"), "w") as f:
+    json.dump({"metric": metric, "mode": "max", "best_step": 7, "best_value": 1.0}, f)
+  with open(os.path.join(model_dir, "final_metrics.json"), "w") as f:
+    json.dump({"step": 7, "split": "test", metric: 0.0}, f)
+  path = os.path.join(model_dir, "final_eval", "inferences", f"{task}-step_7.jsonl")
+  with open(path, "w") as f:
+    for inputs, target, prediction in rows:
+      f.write(json.dumps({"inputs": inputs, "target": target, "prediction": prediction}) + "\n")
+
+
+SENTENCES = [
+  ("Ein Mann fährt Fahrrad.", "Ein Mann fährt ein Fahrrad."),
+  ("Zwei Hunde spielen im Schnee.", "Zwei Hunde spielen im Schnee."),
+  ("Eine Frau liest ein Buch am Strand.", "Eine Frau liest am Strand."),
+  ("Kinder laufen über eine grüne Wiese.", "Kinder rennen über die Wiese."),
+  ("Ein Koch schneidet Gemüse in der Küche.", "Ein Koch schneidet Gemüse."),
+]
+
+
+def test_the_bootstrap_scores_the_whole_set_as_the_task_metrics_do():
+  targets = [t for t, _ in SENTENCES]
+  predictions = [p for _, p in SENTENCES]
+  bleu = recipe_results._scorer("t/bleu", targets, predictions)
+  assert bleu(np.ones(len(targets))) == pytest.approx(
+    task_metrics.bleu(targets, predictions)["bleu"], abs=1e-9
+  )
+  # Drawing an example twice is scoring a corpus that holds it twice.
+  twice = [targets[0], *targets], [predictions[0], *predictions]
+  assert bleu(np.array([2.0, 1, 1, 1, 1])) == pytest.approx(task_metrics.bleu(*twice)["bleu"])
+  rouge = recipe_results._scorer("t/rougeLsum", targets, predictions)
+  assert rouge(np.ones(len(targets))) == pytest.approx(
+    task_metrics.rouge(targets, predictions)["rougeLsum"]
+  )
+  with pytest.raises(ValueError, match="t/f1: the paired bootstrap knows"):
+    recipe_results._scorer("t/f1", [1], [1])
+
+
+def test_paired_bootstrap_of_equal_and_of_clearly_different_runs():
+  rows = [{"inputs": str(i), "target": i % 2, "prediction": i % 2} for i in range(40)]
+  wrong = [{**r, "prediction": 1 - r["target"]} for r in rows]
+  same = recipe_results.paired_bootstrap("t/accuracy", rows, rows, samples=200)
+  assert same == {
+    "a": 100.0,
+    "b": 100.0,
+    "difference": 0.0,
+    "low": 0.0,
+    "high": 0.0,
+    "p_value": 1.0,
+  }
+  worse = recipe_results.paired_bootstrap("t/accuracy", rows, wrong, samples=200)
+  assert worse["difference"] == -100.0 and worse["high"] == -100.0 and worse["p_value"] == 0.0
+  # Half the examples flipped: the difference is -50 and the interval holds it.
+  half = rows[:20] + wrong[20:]
+  r = recipe_results.paired_bootstrap("t/accuracy", rows, half, samples=500)
+  assert r["difference"] == -50.0 and r["low"] < -50.0 < r["high"] < 0 and r["p_value"] == 0.0
+  # One flip in 40 is within the noise of sampling 40 examples.
+  one = recipe_results.paired_bootstrap("t/accuracy", rows, wrong[:1] + rows[1:], samples=500)
+  assert one["difference"] == -2.5 and one["p_value"] > 0.2
+
+
+def test_paired_runs_through_the_command_line(tmp_path):
+  rows_a = [(f"s{i}", t, p) for i, (t, p) in enumerate(SENTENCES)]
+  rows_b = [(f"s{i}", t, t) for i, (t, _) in enumerate(SENTENCES)]
+  _write_decodings(tmp_path / "a", "t/bleu", rows_a)
+  _write_decodings(tmp_path / "b", "t/bleu", rows_b)
+  _write_decodings(tmp_path / "c", "t/bleu", rows_b[::-1])
+  tool = os.path.join(REPO, "tools", "recipe_results.py")
+  ok = subprocess.run(
+    [sys.executable, tool, "--paired", str(tmp_path / "a"), str(tmp_path / "b")],
+    capture_output=True,
+    text=True,
+  )
+  assert ok.returncode == 0, ok.stderr
+  assert f"t/bleu on 5 examples: {tmp_path}/b 100.00 against {tmp_path}/a" in ok.stdout
+  bad = subprocess.run(
+    [sys.executable, tool, "--paired", str(tmp_path / "a"), str(tmp_path / "c")],
+    capture_output=True,
+    text=True,
+  )
+  assert bad.returncode == 1
+  assert bad.stderr.strip().splitlines() == [
+    "ERROR: the two runs' final evaluations decoded different examples"
   ]

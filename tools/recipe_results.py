@@ -4,13 +4,18 @@ r"""Tables of finished recipe runs, from what training wrote to their MODEL_DIRs
   python tools/recipe_results.py --groups \
       "sst2 pre-trained=runs/recipes/sst2_s0,runs/recipes/sst2_s1" \
       "sst2 scratch=runs/recipes/sst2_scratch_s0,runs/recipes/sst2_scratch_s1"
+  python tools/recipe_results.py --paired runs/recipes/multi30k_scratch runs/recipes/multi30k
 
 Without --groups: one markdown row per MODEL_DIR with the metric that picked the
 best step (best.json), that step's validation value, the final evaluation of the
 best step (final_metrics.json), the minutes to the best step and in all
 (metrics.jsonl's `elapsed_s`), and the token slots trained on. With --groups:
 one row per label, the mean and standard error (sample standard deviation over
-sqrt(n)) of the validation and final values over its runs, e.g. two seeds. A
+sqrt(n)) of the validation and final values over its runs, e.g. two seeds. With
+--paired A B: whether run B's final score differs from run A's beyond the noise of
+sampling the test examples (a paired bootstrap over the examples both runs decoded in
+their final evaluation: the difference, its 95% interval and two-sided p-value). It
+says nothing about the spread between seeds, which only more seeds measure. A
 run directory without these files is reported in one `ERROR:` line.
 """
 
@@ -21,10 +26,14 @@ import json
 import math
 import os
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
+from sacrebleu.metrics import BLEU
+
 from t5x_lite.core import errors
+from t5x_lite.data import task_metrics
 
 
 def _read_json(path: str) -> dict[str, Any]:
@@ -117,6 +126,108 @@ def groups_table(groups: Sequence[tuple[str, Sequence[dict[str, Any]]]]) -> str:
   return "\n".join(rows)
 
 
+def final_inferences(model_dir: str) -> tuple[str, list[dict[str, Any]]]:
+  """(metric name, decoded examples) of a run's final evaluation: the records of
+  `final_eval/inferences/<task>-step_<step>.jsonl`, in the task's order."""
+  metric = _read_json(os.path.join(model_dir, "best.json"))["metric"]
+  step = _read_json(os.path.join(model_dir, "final_metrics.json"))["step"]
+  task = metric.split("/", 1)[0]
+  path = os.path.join(model_dir, "final_eval", "inferences", f"{task}-step_{step}.jsonl")
+  try:
+    with open(path, encoding="utf-8") as f:
+      return metric, [json.loads(line) for line in f if line.strip()]
+  except FileNotFoundError:
+    raise ValueError(f"{path} not found: the run's final evaluation decoded nothing") from None
+
+
+def _bleu_of_rows(
+  targets: Sequence[str], predictions: Sequence[str]
+) -> Callable[[np.ndarray], float]:
+  """Corpus BLEU of any multiset of the examples (sacrebleu's defaults, as
+  `task_metrics.bleu`), from each example's n-gram counts summed."""
+  bleu = BLEU()
+  # [examples, 10]: hypothesis length, reference length, matches and totals of 1..4-grams.
+  stats = np.array(bleu._extract_corpus_statistics(list(predictions), [list(targets)]))
+
+  def score(counts: np.ndarray) -> float:  # counts: [examples], times each is drawn
+    sys_len, ref_len, *rest = [int(x) for x in np.rint(counts @ stats)]
+    return BLEU.compute_bleu(rest[:4], rest[4:], sys_len, ref_len).score
+
+  return score
+
+
+def _scorer(
+  metric: str, targets: Sequence[Any], predictions: Sequence[Any]
+) -> Callable[[np.ndarray], float]:
+  """The task metric `metric` of a resampled test set, as a function of how many times
+  each example is drawn ([examples] counts)."""
+  name = metric.split("/", 1)[1]
+  if name == "bleu":
+    return _bleu_of_rows(targets, predictions)
+  if name == "accuracy":
+    per_example = 100.0 * (np.array(targets) == np.array(predictions))
+  elif name in task_metrics.ROUGE_TYPES:
+    per_example = task_metrics.rouge_per_example(targets, predictions)[name]
+  else:
+    raise ValueError(f"{metric}: the paired bootstrap knows bleu, accuracy and ROUGE only")
+  return lambda counts: float(counts @ per_example / counts.sum())
+
+
+def paired_bootstrap(
+  metric: str,
+  a: Sequence[dict[str, Any]],
+  b: Sequence[dict[str, Any]],
+  samples: int = 1000,
+  seed: int = 0,
+) -> dict[str, float]:
+  """Paired bootstrap (Koehn, 2004) of `metric` between two runs' decodings of the same
+  examples: resample the examples with replacement `samples` times, score both runs on
+  each resample.
+
+  Returns:
+    a, b: the scores on the whole set; difference: b - a; low, high: the 2.5th and 97.5th
+    percentiles of the resampled differences; p_value: two-sided, the share of resamples
+    whose difference has the other sign than `difference`, doubled (at most 1).
+  """
+  if [r["inputs"] for r in a] != [r["inputs"] for r in b]:
+    raise ValueError("the two runs' final evaluations decoded different examples")
+  targets = [r["target"] for r in a]
+  score_a = _scorer(metric, targets, [r["prediction"] for r in a])
+  score_b = _scorer(metric, targets, [r["prediction"] for r in b])
+  everything = np.ones(len(a))
+  observed = score_b(everything) - score_a(everything)
+  rng = np.random.default_rng(seed)
+  differences = []
+  for _ in range(samples):
+    counts = np.bincount(rng.integers(0, len(a), len(a)), minlength=len(a)).astype(np.float64)
+    differences.append(score_b(counts) - score_a(counts))
+  diffs = np.array(differences)
+  other_side = np.mean(diffs <= 0) if observed > 0 else np.mean(diffs >= 0)
+  return {
+    "a": score_a(everything),
+    "b": score_b(everything),
+    "difference": observed,
+    "low": float(np.percentile(diffs, 2.5)),
+    "high": float(np.percentile(diffs, 97.5)),
+    "p_value": float(min(1.0, 2 * other_side)),
+  }
+
+
+def paired_line(dir_a: str, dir_b: str, samples: int = 1000) -> str:
+  """One line: run B against run A on their final evaluation, with the bootstrap."""
+  metric_a, rows_a = final_inferences(dir_a)
+  metric_b, rows_b = final_inferences(dir_b)
+  if metric_a != metric_b:
+    raise ValueError(f"{dir_a} is scored by {metric_a}, {dir_b} by {metric_b}")
+  r = paired_bootstrap(metric_a, rows_a, rows_b, samples)
+  return (
+    f"{metric_a} on {len(rows_a)} examples: {dir_b} {r['b']:.2f} against {dir_a} "
+    f"{r['a']:.2f}: difference {r['difference']:+.2f}, 95% interval "
+    f"[{r['low']:+.2f}, {r['high']:+.2f}], p = {r['p_value']:.3f} "
+    f"(paired bootstrap over the examples, {samples} resamples; not seed variance)"
+  )
+
+
 def main(argv: Sequence[str] | None = None) -> None:
   """Command-line entry point; a bad input exits with one `ERROR:` line."""
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -124,10 +235,19 @@ def main(argv: Sequence[str] | None = None) -> None:
   parser.add_argument(
     "--groups", nargs="*", default=[], help="'label=dir1,dir2,...': mean and standard error"
   )
+  parser.add_argument(
+    "--paired",
+    nargs=2,
+    metavar=("RUN_A", "RUN_B"),
+    help="paired bootstrap of RUN_B's final score against RUN_A's",
+  )
+  parser.add_argument("--samples", type=int, default=1000, help="bootstrap resamples")
   args = parser.parse_args(argv)
-  if not args.model_dirs and not args.groups:
-    errors.fail("Give MODEL_DIRs or --groups 'label=dir1,dir2'.")
+  if not args.model_dirs and not args.groups and not args.paired:
+    errors.fail("Give MODEL_DIRs, --groups 'label=dir1,dir2' or --paired RUN_A RUN_B.")
   try:
+    if args.paired:
+      print(paired_line(*args.paired, samples=args.samples))
     if args.model_dirs:
       print(runs_table([run_summary(d) for d in args.model_dirs]))
     if args.groups:

@@ -134,18 +134,25 @@ def bleu(targets: Sequence[str], predictions: Sequence[str]) -> dict[str, float]
   return {"bleu": float(sacrebleu.corpus_bleu(list(predictions), [list(targets)]).score)}
 
 
-def rouge(targets: Sequence[str], predictions: Sequence[str]) -> dict[str, float]:
-  """Mean ROUGE-1/2/Lsum F-measures over examples, times 100 (deterministic)."""
+ROUGE_TYPES = ("rouge1", "rouge2", "rougeLsum")
+
+
+def rouge_per_example(targets: Sequence[str], predictions: Sequence[str]) -> dict[str, np.ndarray]:
+  """ROUGE-1/2/Lsum F-measures of each example, times 100: {type: [examples]}."""
   from rouge_score import rouge_scorer  # noqa: PLC0415  (see pearson_spearman)
 
-  types = ("rouge1", "rouge2", "rougeLsum")
-  scorer = rouge_scorer.RougeScorer(types)
+  scorer = rouge_scorer.RougeScorer(ROUGE_TYPES)
   # rougeLsum treats newlines as sentence boundaries.
   scores = [
     scorer.score(t.replace(". ", ".\n"), p.replace(". ", ".\n"))
     for t, p in zip(targets, predictions)
   ]
-  return {t: 100.0 * float(np.mean([s[t].fmeasure for s in scores])) for t in types}
+  return {t: 100.0 * np.array([s[t].fmeasure for s in scores], np.float64) for t in ROUGE_TYPES}
+
+
+def rouge(targets: Sequence[str], predictions: Sequence[str]) -> dict[str, float]:
+  """Mean ROUGE-1/2/Lsum F-measures over examples, times 100 (deterministic)."""
+  return {t: float(np.mean(v)) for t, v in rouge_per_example(targets, predictions).items()}
 
 
 def normalize_squad_answer(text: str) -> str:
