@@ -112,3 +112,36 @@ def test_the_electra_row_pretrains_for_span_corruptions_flops_and_fine_tunes(tmp
   assert any(p.startswith("generator/") for p in shapes) and "rtd_head/kernel" in shapes
   assert 0 <= row["sst2_accuracy"] <= 100 and 0 <= row["rte_accuracy"] <= 100
   assert "(its generator counted)" in (table / "results.md").read_text()
+
+
+def test_the_finetuning_tables_distilled_row_trains_its_teacher_first(tmp_path):
+  _write_glue(tmp_path / "data")
+  first = _compare(
+    tmp_path,
+    "--table=finetuning",
+    "--only=distilled",
+    "--data_dir=data",
+    "--output_dir=out",
+    # No checkpoint to start from, and a few steps that still decode the dev set.
+    "--gin.INITIAL_CHECKPOINT_PATH=None",
+    "--gin.TRAIN_STEPS=2",
+    "--gin.EVAL_PERIOD=2",
+    "--gin.train.infer_eval_period=2",
+    "--gin.BATCH_SIZE=2",
+  )
+  assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+  table = tmp_path / "out/finetuning"
+  (row,) = json.loads((table / "results.json").read_text())
+  assert row["slug"] == "distilled" and row["method"].startswith("distillation: half-depth")
+  # quickstart_sst2.gin's tiny model (2 + 2 layers) halved: the 1 + 1-layer student.
+  assert row["trainable"] == "549,344 of 549,344"
+  assert 0 <= row["scores"][0] <= 100
+  student_log = (table / "distilled_s0.log").read_text()
+  assert "T5Config.num_encoder_layers = 1" in (table / "distilled_s0/config.gin").read_text()
+  assert (
+    "TEACHER_CHECKPOINT_PATH = 'out/finetuning/full_s0'"
+    in (table / "distilled_s0/config.gin").read_text()
+  )
+  assert "trainable parameters: 574080 of 574080" in (table / "full_s0.log").read_text()
+  assert "Traceback" not in student_log
+  assert "| distillation: half-depth student" in (table / "results.md").read_text()

@@ -3,6 +3,7 @@ r"""The T5 paper's comparisons, runnable: one command per table, a Markdown tabl
   python tools/compare.py --table=architectures     # the paper's Table 2
   python tools/compare.py --table=objectives        # Tables 4-5 (objectives)
   python tools/compare.py --table=mixing            # Table 11 (mixing strategies)
+  python tools/compare.py --table=finetuning        # section 3.5.1 (fine-tuning methods)
 
 Each variant pre-trains the same model size for the same steps on the offline
 CPython prose (tasks `cpython_<objective>`, tasks/offline.py), every row holding the
@@ -12,6 +13,15 @@ pre-training validation loss, the downstream dev accuracies, parameters, trainin
 FLOPs per token (`tools/model_info.py`) and wall times. The mixing table trains on
 the `local_multitask` mixture (SST-2, RTE, Multi30k, SciTLDR) under each mixing
 strategy instead and evaluates SST-2 and RTE without fine-tuning.
+
+The fine-tuning table pre-trains nothing: every row runs one fine-tuning configuration
+(--finetune_gin, default quickstart_sst2.gin: its checkpoint, task, steps and
+schedule; recipes/sst2.gin for the recipes' model) with one method added: all
+parameters, the same model from scratch, the decoder alone, adapters, gradual
+unfreezing (a block every half of TRAIN_STEPS), a half-depth student distilled from
+the all-parameters row, and that student without a teacher. --seeds=N runs each
+N times (RANDOM_SEED 0..N-1) and reports the mean and standard error of --metric
+(the best validation value where the configuration keeps one, else the last).
 
 Every run goes through the real entry points (`python -m t5x_lite.train` / `.eval`)
 into --output_dir/<table>/<variant>/, so a stopped comparison resumes where it was
@@ -41,6 +51,8 @@ import dataclasses
 import json
 import math
 import os
+import re
+import statistics
 import subprocess
 import sys
 import time
@@ -51,7 +63,7 @@ from absl import app, flags
 from t5x_lite.core import gin_config
 from t5x_lite.core.errors import ConfigError
 
-TABLES = ("architectures", "objectives", "mixing")
+TABLES = ("architectures", "objectives", "mixing", "finetuning")
 _TABLE = flags.DEFINE_enum("table", None, TABLES, "Which comparison to run.", required=True)
 _OUTPUT_DIR = flags.DEFINE_string("output_dir", "./runs/compare", "Runs and tables go here.")
 _MODEL = flags.DEFINE_string("model", "tiny", "Size file of each family (tiny, small, base).")
@@ -60,6 +72,13 @@ _FINETUNE_STEPS = flags.DEFINE_integer("finetune_steps", 200, "Fine-tuning steps
 _BATCH_SIZE = flags.DEFINE_integer("batch_size", 16, "Global batch size of every run.")
 _DATA_DIR = flags.DEFINE_string("data_dir", "../shared/data", "Where glue/SST-2 and glue/RTE are.")
 _ONLY = flags.DEFINE_list("only", [], "Run only these variants (their directory names).")
+_FINETUNE_GIN = flags.DEFINE_string(
+  "finetune_gin", "quickstart_sst2.gin", "--table=finetuning: the configuration every row runs."
+)
+_METRIC = flags.DEFINE_string(
+  "metric", "local_glue_sst2/accuracy", "--table=finetuning: the validation metric reported."
+)
+_SEEDS = flags.DEFINE_integer("seeds", 1, "--table=finetuning: runs of each row (RANDOM_SEED).")
 
 # Every pre-training row holds 160 tokens, as in the quickstarts.
 SHORT_TARGETS = {"inputs": 128, "targets": 32}  # span-style targets: about 25% of the text
@@ -392,12 +411,174 @@ def markdown(rows: Sequence[dict], table: str) -> str:
   return head + "\n".join(lines) + "\n" + note + matched
 
 
+@dataclasses.dataclass(frozen=True)
+class Method:
+  """One row of the fine-tuning table: what it adds to --finetune_gin.
+
+  Attributes:
+    name: the row's name.
+    slug: its run directories, `<slug>_s<seed>`.
+    gin_files: gin files added after --finetune_gin.
+    bindings: gin bindings added last (after --gin_bindings).
+    distilled: the teacher is the `full` row of the same seed.
+  """
+
+  name: str
+  slug: str
+  gin_files: tuple[str, ...] = ()
+  bindings: tuple[str, ...] = ()
+  distilled: bool = False
+
+
+def finetuning_methods(train_steps: int, encoder_layers: int, decoder_layers: int) -> list[Method]:
+  """The rows of the fine-tuning table for a configuration of `train_steps` steps and a
+  model of these depths."""
+  scratch = ("INITIAL_CHECKPOINT_PATH = None",)
+  half = (
+    f"T5Config.num_encoder_layers = {max(1, encoder_layers // 2)}",
+    f"T5Config.num_decoder_layers = {max(1, decoder_layers // 2)}",
+  )
+  every = max(1, train_steps // 2)
+  return [
+    Method("all parameters", "full"),  # first: the distilled row's teacher
+    Method("the same model from scratch, no checkpoint", "scratch", bindings=scratch),
+    Method(
+      "decoder only, encoder frozen",
+      "decoder",
+      bindings=("train.trainable_parameters = ['decoder/.*']",),
+    ),
+    Method("adapters, d = 64", "adapters", gin_files=("runs/adapters.gin",)),
+    Method(
+      f"gradual unfreezing, a block every {every} steps",
+      "unfreeze",
+      gin_files=("runs/gradual_unfreezing.gin",),
+      bindings=(f"UNFREEZE_EVERY = {every}",),
+    ),
+    Method(
+      "distillation: half-depth student from scratch, teacher: all parameters",
+      "distilled",
+      gin_files=("runs/distill.gin",),
+      bindings=scratch + half,
+      distilled=True,
+    ),
+    Method(
+      "the same half-depth student without a teacher", "small_scratch", bindings=scratch + half
+    ),
+  ]
+
+
+def finetune_settings() -> tuple[int, int, int]:
+  """TRAIN_STEPS and the encoder and decoder depths of --finetune_gin with --gin_bindings."""
+  import gin
+
+  import t5x_lite.run.train_lib  # noqa: F401  (the configurables the gin files bind)
+  from t5x_lite.nn import network
+
+  gin.clear_config()
+  gin_config.parse_gin([_FINETUNE_GIN.value], list(flags.FLAGS.gin_bindings))
+  steps = int(gin.query_parameter("%TRAIN_STEPS"))
+  config = network.T5Config()
+  gin.clear_config()
+  return steps, config.num_encoder_layers, config.num_decoder_layers
+
+
+def _finetune_score(model_dir: str) -> float | None:
+  """--metric of a fine-tuning run: the best validation value where the run kept one
+  (best.json), else the last one logged."""
+  best = os.path.join(model_dir, "best.json")
+  if os.path.exists(best):
+    with open(best) as f:
+      return json.load(f)["best_value"]
+  return _last(os.path.join(model_dir, "metrics.jsonl"), "eval", _METRIC.value)
+
+
+def _trainable(log_path: str) -> str:
+  """'N of M' from a training log's `trainable parameters: N of M` line."""
+  with open(log_path) as f:
+    found = re.findall(r"trainable parameters: (\d+) of (\d+)", f.read())
+  return f"{int(found[-1][0]):,} of {int(found[-1][1]):,}" if found else "?"
+
+
+def run_method(runner: Runner, method: Method, seed: int, teacher: Method) -> dict:
+  """Fine-tunes one row for one seed (a distilled row: `teacher`'s run first); its results."""
+  model_dir = os.path.join(runner.table_dir, f"{method.slug}_s{seed}")
+  args = [
+    "-m",
+    "t5x_lite.train",
+    f"--gin_file={_FINETUNE_GIN.value}",
+    *(f"--gin_file={gin_file}" for gin_file in method.gin_files),
+    f"--data_dir={_DATA_DIR.value}",
+    f"--gin.MODEL_DIR={model_dir}",
+    f"--gin.RANDOM_SEED={seed}",
+    *(f"--gin_bindings={b}" for b in (*flags.FLAGS.gin_bindings, *method.bindings)),
+  ]
+  if method.distilled:
+    run_method(runner, teacher, seed, teacher)
+    args.append(f"--gin.TEACHER_CHECKPOINT_PATH={runner.table_dir}/{teacher.slug}_s{seed}")
+  log_path = model_dir + ".log"
+  seconds = runner.run(args, log_path)
+  return {
+    "seconds": seconds,
+    "score": _finetune_score(model_dir),
+    "trainable": _trainable(log_path),
+  }
+
+
+def finetuning_markdown(rows: Sequence[dict]) -> str:
+  """The fine-tuning table: per row, the seeds' scores, their mean and standard error."""
+  lines = [
+    f"| method | trainable parameters | {_METRIC.value} per seed | mean ± SE | wall s |",
+    "|---|---|---|---|---|",
+  ]
+  for r in rows:
+    scores = [s for s in r["scores"] if s is not None]
+    mean = statistics.fmean(scores) if scores else math.nan
+    error = statistics.stdev(scores) / math.sqrt(len(scores)) if len(scores) > 1 else math.nan
+    lines.append(
+      f"| {r['method']} | {r['trainable']} | "
+      f"{', '.join('-' if s is None else f'{s:.1f}' for s in r['scores'])} | "
+      f"{mean:.1f}{'' if math.isnan(error) else f' ± {error:.1f}'} | "
+      f"{statistics.fmean(r['seconds']):.0f} |"
+    )
+  return "\n".join(lines) + f"\n\nEach row: {_FINETUNE_GIN.value} plus the method.\n"
+
+
+def run_finetuning_table(table_dir: str) -> None:
+  """Runs the chosen rows of the fine-tuning table, rewriting results.{md,json} after each."""
+  methods = finetuning_methods(*finetune_settings())
+  chosen = [m for m in methods if not _ONLY.value or m.slug in _ONLY.value]
+  if not chosen:
+    names = ", ".join(m.slug for m in methods)
+    raise ConfigError(f"--only={','.join(_ONLY.value)} names no row of finetuning: {names}")
+  runner, rows = Runner(table_dir), []
+  for method in chosen:
+    print(f"[finetuning] {method.name} ...", flush=True)
+    runs = [run_method(runner, method, seed, methods[0]) for seed in range(_SEEDS.value)]
+    rows.append(
+      {
+        "method": method.name,
+        "slug": method.slug,
+        "trainable": runs[0]["trainable"],
+        "scores": [r["score"] for r in runs],
+        "seconds": [r["seconds"] for r in runs],
+      }
+    )
+    with open(os.path.join(table_dir, "results.json"), "w") as f:
+      json.dump(rows, f, indent=1)
+    with open(os.path.join(table_dir, "results.md"), "w") as f:
+      f.write(finetuning_markdown(rows))
+  print(finetuning_markdown(rows))
+
+
 def main(argv: Sequence[str]) -> None:
   console.quiet_library_logs()
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
   table = _TABLE.value
   table_dir = os.path.join(_OUTPUT_DIR.value, table)
+  if table == "finetuning":
+    run_finetuning_table(table_dir)
+    return
   runner, rows = Runner(table_dir), []
   chosen = [v for v in variants(table) if not _ONLY.value or _slug(v.name) in _ONLY.value]
   if not chosen:
