@@ -72,6 +72,12 @@ def test_an_unknown_variant_is_one_error_line(tmp_path):
   )
 
 
+def test_no_seeds_is_one_error_line(tmp_path):
+  result = _compare(tmp_path, "--table=finetuning", "--seeds=0", "--output_dir=out")
+  assert result.returncode == 1
+  assert result.stderr.strip().splitlines()[-1] == "ERROR: --seeds=0: must be at least 1"
+
+
 def test_the_electra_row_pretrains_for_span_corruptions_flops_and_fine_tunes(tmp_path):
   import gin
 

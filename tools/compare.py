@@ -488,7 +488,10 @@ def _finetune_score(model_dir: str) -> float | None:
   best = os.path.join(model_dir, "best.json")
   if os.path.exists(best):
     with open(best) as f:
-      return json.load(f)["best_value"]
+      kept = json.load(f)
+    if kept["metric"] != _METRIC.value:
+      raise ConfigError(f"{best} keeps the best {kept['metric']}; pass --metric={kept['metric']}")
+    return kept["best_value"]
   return _last(os.path.join(model_dir, "metrics.jsonl"), "eval", _METRIC.value)
 
 
@@ -545,6 +548,8 @@ def finetuning_markdown(rows: Sequence[dict]) -> str:
 
 def run_finetuning_table(table_dir: str) -> None:
   """Runs the chosen rows of the fine-tuning table, rewriting results.{md,json} after each."""
+  if _SEEDS.value < 1:
+    raise ConfigError(f"--seeds={_SEEDS.value}: must be at least 1")
   methods = finetuning_methods(*finetune_settings())
   chosen = [m for m in methods if not _ONLY.value or m.slug in _ONLY.value]
   if not chosen:
