@@ -148,3 +148,10 @@ def test_paired_runs_through_the_command_line(tmp_path):
   assert bad.stderr.strip().splitlines() == [
     "ERROR: the two runs' final evaluations decoded different examples"
   ]
+  none = subprocess.run(
+    [sys.executable, tool, "--paired", str(tmp_path / "a"), str(tmp_path / "b"), "--samples=0"],
+    capture_output=True,
+    text=True,
+  )
+  assert none.returncode == 1
+  assert none.stderr.strip().splitlines() == ["ERROR: --samples=0: must be at least 1"]

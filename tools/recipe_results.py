@@ -189,6 +189,8 @@ def paired_bootstrap(
     percentiles of the resampled differences; p_value: two-sided, the share of resamples
     whose difference has the other sign than `difference`, doubled (at most 1).
   """
+  if samples < 1:
+    raise ValueError(f"--samples={samples}: must be at least 1")
   if [r["inputs"] for r in a] != [r["inputs"] for r in b]:
     raise ValueError("the two runs' final evaluations decoded different examples")
   targets = [r["target"] for r in a]
