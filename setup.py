@@ -10,7 +10,6 @@ INSTALL_REQUIRES = [
   "gin-config>=0.5.0,<0.6",
   "jax>=0.10.2,<0.11",
   "jaxlib>=0.10.2,<0.11",
-  "matplotlib>=3.9,<4",
   "numpy>=2.0,<3",
   "optax>=0.2.8,<0.3",
   "orbax-checkpoint>=0.12.8,<0.13",
