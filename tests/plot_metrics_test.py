@@ -98,6 +98,8 @@ def test_ticks_are_round_values_within_the_range():
   assert plot_metrics.log_ticks(2e-4, 0.05) == [0.001, 0.01]
   assert plot_metrics.log_ticks(0.9, 7.5) == [1.0, 2.0, 5.0]
   assert plot_metrics.log_ticks(1.1, 1.9) == plot_metrics.nice_ticks(1.1, 1.9)
+  # A constant float32 learning rate of 0.01, padded a decade either way: all three decades.
+  assert plot_metrics.log_ticks(10**-3.0000000087, 10**-1.0000000087) == [0.001, 0.01, 0.1]
 
 
 def test_a_loss_with_zeros_leaves_them_out_and_only_zeros_is_linear(tmp_path):
@@ -105,6 +107,10 @@ def test_a_loss_with_zeros_leaves_them_out_and_only_zeros_is_linear(tmp_path):
   plot_metrics.plot(series, ["loss"], str(tmp_path / "a.svg"), "t")
   panel = _panels(tmp_path / "a.svg")["loss"]
   assert panel.get("data-scale") == "log" and len(_series(panel)["train"]) == 2
+  series = {"train": {"learning_rate": {1: 0.009999999776, 2: 0.009999999776}}}
+  plot_metrics.plot(series, ["learning_rate"], str(tmp_path / "lr.svg"), "t")
+  labels = [t.text for t in ET.parse(tmp_path / "lr.svg").iter("{http://www.w3.org/2000/svg}text")]
+  assert {"0.001", "0.01", "0.1"} <= set(labels)
   series = {"train": {"loss": {1: 0.0, 2: 0.0}}}
   plot_metrics.plot(series, ["loss"], str(tmp_path / "b.svg"), "t <&> run")
   assert _panels(tmp_path / "b.svg")["loss"].get("data-scale") == "linear"

@@ -141,7 +141,12 @@ def log_ticks(low: float, high: float) -> list[float]:
   two or more, else 1, 2 and 5 times them, else round values placed logarithmically."""
   decades = range(math.floor(math.log10(low)), math.ceil(math.log10(high)) + 1)
   for multiples in ((1,), (1, 2, 5)):
-    ticks = [m * 10.0**d for d in decades for m in multiples if low <= m * 10.0**d <= high]
+    ticks = [
+      m * 10.0**d
+      for d in decades
+      for m in multiples
+      if low * (1 - 1e-6) <= m * 10.0**d <= high * (1 + 1e-6)  # 10**log10(x) may miss x
+    ]
     if len(ticks) >= 2:
       return ticks[:: max(1, math.ceil(len(ticks) / 8))]
   return nice_ticks(low, high)
@@ -157,7 +162,7 @@ def padded_range(values: Sequence[float]) -> tuple[float, float]:
 
 
 def _label(value: float) -> str:
-  return f"{value:.4g}"
+  return f"{value:.6g}"  # 32000 rather than 3.2e+04; 1e-05 stays short
 
 
 def _marker(kind: str, x: float, y: float, color: str) -> str:
@@ -219,8 +224,9 @@ def _panel(
       f'<text x="{px(tick):.1f}" y="{area_top + height + 16}" font-size="11" '
       f'text-anchor="middle">{_label(tick)}</text>'
     )
+  slack = (y_high - y_low) * 1e-6  # a tick on the edge, up to rounding
   for tick in y_ticks:
-    if not y_low <= tick <= y_high:
+    if not y_low - slack <= tick <= y_high + slack:
       continue
     out.append(
       f'<line x1="{area_left}" y1="{py(tick):.1f}" x2="{area_left + width}" y2="{py(tick):.1f}" '
