@@ -66,6 +66,10 @@ class BaseModel(abc.ABC):
   # (True for state that `update_aux_state` changes); False: `start_aux_state` makes it
   # at every start, a resume included.
   checkpoint_aux_state: bool = False
+  # Tasks of the training mixture whose target tokens the training batches mark with
+  # their 1-based index here, in the feature `decoder_task_ids` (0 for other tasks; see
+  # `t5x_lite.data.pipeline`); empty: the batches carry no task ids.
+  train_task_ids: tuple[str, ...] = ()
 
   @property
   @abc.abstractmethod

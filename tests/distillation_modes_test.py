@@ -11,11 +11,13 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
+import seqio
 import tensorflow as tf
 
 from t5x_lite import distillation, distillation_modes, models
 from t5x_lite.checkpoint import checkpoints
 from t5x_lite.core import errors, gin_config
+from t5x_lite.data import pipeline
 from t5x_lite.nn import network
 from t5x_lite.training import optimizers, partitioning, trainer
 from text_tasks import VOCAB, register_text_task
@@ -37,6 +39,18 @@ def _source(split: str, shuffle_files: bool, seed: int | None = None) -> tf.data
 
 
 register_text_task(TASK, _source, ["train", "validation"])
+
+
+def _other_source(split: str, shuffle_files: bool, seed: int | None = None) -> tf.data.Dataset:
+  del shuffle_files, seed
+  texts = [f"{split} other {i}: " + "cd" * (i % 3) for i in range(32)]
+  return tf.data.Dataset.from_tensor_slices({"inputs": texts, "targets": texts})
+
+
+OTHER_TASK = register_text_task("distillation_modes_test_other", _other_source, ["train"])
+MIXTURE = "distillation_modes_test_mix"
+if MIXTURE not in seqio.MixtureRegistry.names():
+  seqio.MixtureRegistry.add(MIXTURE, [TASK, OTHER_TASK], default_rate=1.0)
 pytestmark = pytest.mark.usefixtures("clean_gin")
 KWARGS = dict(z_loss=1e-4, label_smoothing=0.1, loss_normalizing_factor="NUM_REAL_TARGET_TOKENS")
 
@@ -113,6 +127,66 @@ def test_several_teachers_give_the_weighted_sum_of_their_kls():
   assert {"distill_kl", "distill_kl_0", "distill_kl_1"} <= set(metrics)
   teacher_grads = jax.grad(lambda tp: multi.loss_fn(params, batch, None, aux_state=tp)[0])(teachers)
   assert all(not np.any(g) for g in jax.tree.leaves(teacher_grads))
+
+
+def test_per_task_teachers_teach_only_their_tasks_tokens():
+  configs = [
+    tiny_checkpoint_config(emb_dim=48),
+    tiny_checkpoint_config(num_decoder_layers=2),
+    tiny_checkpoint_config(num_encoder_layers=2),
+  ]
+  student = _model(tiny_checkpoint_config(), **KWARGS)
+  params = init_params(student.network_config, 0)
+  teachers = tuple(init_params(c, 20 + i) for i, c in enumerate(configs))
+  teachers[1]["decoder"]["logits_dense"]["kernel"] *= 8.0  # KLs far apart
+  batch = random_batch(seed=5, batch=8, targets=9)
+  # Tasks "x" (id 1), "y" (id 2) and a task no teacher names (0), mixed within rows.
+  ids = np.random.default_rng(5).integers(0, 3, batch["decoder_target_tokens"].shape)
+  batch[pipeline.DECODER_TASK_IDS] = ids.astype(np.int32)
+  w = batch["decoder_loss_weights"]
+  logits = student.teacher_forced_logits(params, batch, None)
+  kls = [
+    np.asarray(
+      distillation.soft_target_kl(logits, _model(c).teacher_forced_logits(p, batch, None), 2.0)
+    )
+    for c, p in zip(configs, teachers)
+  ]  # each [batch, len]
+  # Teacher 0 teaches "y"; teachers 1 and 2 share "x"; teacher 2 also teaches "y".
+  tasks = [["y"], ["x"], ["x", "y"]]
+  taught = [np.isin(ids, [2]), np.isin(ids, [1]), np.isin(ids, [1, 2])]
+  by_mean = distillation_modes.MultiTeacherDistillationModel(
+    student,
+    [_model(c) for c in configs],
+    teacher_checkpoints=["a", "b", "c"],
+    weights=None,
+    alpha=0.5,
+    temperature=2.0,
+    teacher_tasks=tasks,
+  )
+  assert by_mean.train_task_ids == ("x", "y")
+  _, sums = jax.jit(lambda p, b: by_mean.loss_fn(p, b, None, aux_state=teachers))(params, batch)
+  for i in range(3):
+    np.testing.assert_allclose(
+      sums[f"distill_kl_{i}"], np.sum(kls[i] * w * taught[i]) / w.sum(), rtol=1e-5
+    )
+  # Each token: the mean over its task's teachers; no teacher (id 0): no soft term.
+  mean = np.where(ids == 1, (kls[1] + kls[2]) / 2, np.where(ids == 2, (kls[0] + kls[2]) / 2, 0))
+  np.testing.assert_allclose(sums["distill_kl"], np.sum(mean * w) / w.sum(), rtol=1e-5)
+  weighted = distillation_modes.MultiTeacherDistillationModel(
+    student,
+    [_model(c) for c in configs],
+    teacher_checkpoints=["a", "b", "c"],
+    weights=[0.5, 0.25, 2.0],
+    alpha=0.5,
+    temperature=2.0,
+    teacher_tasks=tasks,
+  )
+  _, sums = weighted.loss_fn(params, batch, None, aux_state=teachers)
+  by_hand = sum(wi * np.sum(kl * w * t) for wi, kl, t in zip((0.5, 0.25, 2.0), kls, taught))
+  np.testing.assert_allclose(sums["distill_kl"], by_hand / w.sum(), rtol=1e-5)
+  del batch[pipeline.DECODER_TASK_IDS]
+  with pytest.raises(ValueError, match="decoder_task_ids"):
+    by_mean.loss_fn(params, batch, None, aux_state=teachers)
 
 
 def test_self_distillation_teacher_moves_only_by_the_ema_rule():
@@ -203,6 +277,27 @@ def test_multi_teacher_and_self_distillation_train_and_save_the_student(tmp_path
     jax.tree.map(np.testing.assert_array_equal, restored, jax.device_get(state.params))
 
 
+def test_per_task_teachers_train_on_a_mixture_and_must_name_its_tasks(tmp_path):
+  for i in range(2):
+    save_params_checkpoint(tmp_path / f"teacher{i}", tiny_checkpoint_config(), seed=3 + i)
+  model = distillation_modes.build_multi_teacher_distillation_model(
+    teacher_checkpoint_paths=[str(tmp_path / "teacher0"), str(tmp_path / "teacher1")],
+    teacher_tasks=[OTHER_TASK, [TASK]],
+    config=tiny_checkpoint_config(),
+    vocabulary=VOCAB,
+  )
+  assert model.weights is None and model.train_task_ids == tuple(sorted([TASK, OTHER_TASK]))
+  train_on_task(MIXTURE, tmp_path / "student", 2, model)
+  last = _train_records(tmp_path / "student")[-1]
+  assert last["step"] == 2 and last["distill_kl_0"] > 0 and last["distill_kl_1"] > 0
+  # One teacher per task: the two teach disjoint tokens, which together are every token.
+  np.testing.assert_allclose(
+    last["distill_kl"], last["distill_kl_0"] + last["distill_kl_1"], rtol=1e-5
+  )
+  with pytest.raises(errors.ConfigError, match=f"task '{OTHER_TASK}', which is not in the "):
+    train_on_task(TASK, tmp_path / "only_one_task", 2, model)
+
+
 def test_a_resumed_self_distillation_run_continues_its_average_exactly(tmp_path):
   build = dict(ema_decay=0.5, config=tiny_checkpoint_config(), vocabulary=VOCAB)
   model = distillation_modes.build_self_distillation_model(**build)
@@ -240,6 +335,15 @@ def test_bad_settings_are_one_line_errors_naming_the_binding(tmp_path):
     (dict(teacher_checkpoint_paths=paths, teacher_weights=[0.0, 0.0]), "not all 0"),
     (dict(teacher_checkpoint_paths=paths, alpha=-0.1), f"{name}.alpha must be in"),
     (dict(teacher_checkpoint_paths=[]), f"{name}.teacher_checkpoint_paths names no"),
+    (dict(teacher_checkpoint_paths=paths, teacher_tasks=[TASK]), f"{name}.teacher_tasks has 1"),
+    (
+      dict(teacher_checkpoint_paths=paths, teacher_tasks=[TASK, TASK + "s"]),
+      rf"{name}.teacher_tasks\[1\]: no seqio task named '{TASK}s' \(closest: {TASK}",
+    ),
+    (
+      dict(teacher_checkpoint_paths=paths, teacher_tasks=[TASK, []]),
+      r"teacher_tasks\[1\] names no",
+    ),
     (
       dict(teacher_checkpoint_paths=[paths[0], str(tmp_path / "wide")]),
       rf"{name}.teacher_checkpoint_paths\[1\].*vocab_size 384",

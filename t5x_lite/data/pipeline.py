@@ -33,6 +33,14 @@ Errors the user can fix come out as one `ConfigError` line:
 
 `truncation_report` counts how many examples are longer than
 `task_feature_lengths` (and so are cut); training logs it at start-up.
+
+Task ids: a model that treats the tasks of a mixture differently (a teacher per task,
+`distillation_modes.MultiTeacherDistillationModel`) names them in `train_task_ids`;
+training then sets `DatasetConfig.task_ids`, and every batch gets the model feature
+`decoder_task_ids` [batch, targets length]: on each target token, the 1-based index in
+`task_ids` of the task its example came from, 0 for the tasks not named and on padding.
+The mixture samples, packs and shuffles exactly as without it (`TaskIdMixture`,
+`TaskIdEncDecFeatureConverter`), so the other features of every batch are the same.
 """
 
 from __future__ import annotations
@@ -61,6 +69,9 @@ from t5x_lite.core.errors import ConfigError
 from t5x_lite.core.types import GIN_REQUIRED
 
 CHECKPOINT_MODES = ("iterator", "skip")
+# The task feature and the model feature that carry each target token's task id.
+TASK_IDS = "task_ids"
+DECODER_TASK_IDS = "decoder_task_ids"
 # Examples per task that `truncation_report` measures by default.
 TRUNCATION_SAMPLE = 1000
 Batch = dict[str, jax.Array]
@@ -130,6 +141,9 @@ class DatasetConfig:
     architecture: the model's `T5Config.architecture`, which picks the feature
       converter (`feature_converter`); train, eval and precompile set it from the
       model, so gin never needs to.
+    task_ids: tasks of the mixture whose target tokens carry their 1-based index here
+      in the feature `decoder_task_ids` (0 for other tasks); empty: no such feature.
+      Training sets it from the model's `train_task_ids`, so gin never needs to.
   """
 
   mixture_or_task_name: str
@@ -141,9 +155,11 @@ class DatasetConfig:
   pack: bool = True
   use_cached: bool = False
   architecture: str = "encoder_decoder"
+  task_ids: tuple[str, ...] = ()
 
   def __post_init__(self) -> None:
-    """Fails early on a batch size below 1 or an unknown task (naming the closest)."""
+    """Fails early on a batch size below 1, an unknown task (naming the closest), or
+    task ids that are not tasks of the mixture."""
     if not isinstance(self.batch_size, (int, np.integer)) or self.batch_size < 1:
       raise ConfigError(
         f"DatasetConfig.batch_size (gin BATCH_SIZE) must be a positive integer, got "
@@ -154,7 +170,102 @@ class DatasetConfig:
         f"DatasetConfig.architecture must be one of {network.ARCHITECTURES}, "
         f"got {self.architecture!r}"
       )
-    get_mixture_or_task(self.mixture_or_task_name)
+    provider = get_mixture_or_task(self.mixture_or_task_name)
+    if self.task_ids:
+      _check_task_ids(provider, tuple(self.task_ids), self.architecture)
+
+
+def _check_task_ids(
+  provider: seqio.Task | seqio.Mixture, task_ids: tuple[str, ...], architecture: str
+) -> None:
+  """Raises a ConfigError unless `task_ids` are distinct tasks of `provider`."""
+  if architecture != "encoder_decoder":
+    raise ConfigError(
+      f"Task ids in the batch (the model's train_task_ids {task_ids}) need an "
+      f"encoder-decoder model; T5Config.architecture is {architecture!r}."
+    )
+  if len(set(task_ids)) != len(task_ids):
+    raise ConfigError(f"The model's train_task_ids {task_ids} name a task twice.")
+  tasks = [task.name for task in seqio.get_subtasks(provider)]
+  for name in task_ids:
+    if name not in tasks:
+      raise ConfigError(
+        f"The model's train_task_ids name task {name!r}, which is not in the training data "
+        f"{provider.name!r} (its tasks: {', '.join(tasks)}); name tasks of the mixture "
+        "(for distillation: build_multi_teacher_distillation_model.teacher_tasks)."
+      )
+
+
+class TaskIdMixture(seqio.Mixture):
+  """A task or mixture whose examples gain the feature `task_ids`, their task's id.
+
+  The mixture's tasks with their effective rates (sub-mixtures flattened) and its
+  sampling function, so it samples exactly as the mixture does for the same seed;
+  each task's examples get `task_ids`, an int32 vector shaped like their targets,
+  filled with the task's id plus one (1 for a task not in `ids`): seqio's packing
+  drops zeros as padding, so no real token may carry 0 here.
+  `TaskIdEncDecFeatureConverter` takes the one off again. Not registered.
+
+  Args:
+    provider: the registered task or mixture.
+    ids: {task name: id >= 1}.
+  """
+
+  def __init__(self, provider: seqio.Task | seqio.Mixture, ids: Mapping[str, int]):
+    if isinstance(provider, seqio.Mixture):
+      tasks = [(task, provider.get_rate(task)) for task in provider.tasks]
+      sample_fn = getattr(provider, "_sample_fn", None)  # the mixture's own sampler, if set
+    else:
+      tasks, sample_fn = [(provider, 1.0)], None
+    kwargs = {} if sample_fn is None else {"sample_fn": sample_fn}
+    super().__init__(provider.name, tasks, **kwargs)
+    self._ids = dict(ids)
+
+  def get_dataset(self, sequence_length=None, *args, **kwargs) -> tf.data.Dataset:
+    """`seqio.Mixture.get_dataset`; `task_ids` in `sequence_length` is left to the converter."""
+    if sequence_length is not None:
+      sequence_length = {k: v for k, v in sequence_length.items() if k != TASK_IDS}
+    return super().get_dataset(sequence_length, *args, **kwargs)
+
+  def get_task_dataset(self, task: seqio.Task, *args, **kwargs) -> tf.data.Dataset:
+    """The task's examples (filtered as seqio does) with `task_ids` added."""
+    stored_id = self._ids.get(task.name, 0) + 1  # never 0: see the class docstring
+
+    def with_task_id(example: Mapping[str, tf.Tensor]) -> dict[str, tf.Tensor]:
+      targets = example["targets"]  # [targets length]
+      return {**example, TASK_IDS: tf.fill(tf.shape(targets), tf.constant(stored_id, tf.int32))}
+
+    dataset = super().get_task_dataset(task, *args, **kwargs)
+    return dataset.map(with_task_id, num_parallel_calls=tf.data.AUTOTUNE)
+
+
+class TaskIdEncDecFeatureConverter(seqio.EncDecFeatureConverter):
+  """`seqio.EncDecFeatureConverter` that also carries `task_ids` as `decoder_task_ids`.
+
+  `task_ids` is trimmed, padded and packed as a task feature of the targets' length,
+  so it lands on the same positions as the targets (packing places every feature of
+  an example at once; a feature as long as the targets adds no constraint). It holds
+  the id plus one (`TaskIdMixture`); `decoder_task_ids` is the id, 0 on padding.
+  """
+
+  TASK_FEATURES = {
+    **seqio.EncDecFeatureConverter.TASK_FEATURES,
+    TASK_IDS: seqio.FeatureConverter.FeatureSpec(dtype=tf.int32),
+  }
+  MODEL_FEATURES = {
+    **seqio.EncDecFeatureConverter.MODEL_FEATURES,
+    DECODER_TASK_IDS: seqio.FeatureConverter.FeatureSpec(dtype=tf.int32),
+  }
+
+  def _convert_example(self, features: Mapping[str, tf.Tensor]) -> Mapping[str, tf.Tensor]:
+    converted = dict(super()._convert_example(features))
+    converted[DECODER_TASK_IDS] = tf.maximum(features[TASK_IDS] - 1, 0)  # padding: 0
+    return converted
+
+  def get_model_feature_lengths(self, task_feature_lengths: Mapping[str, int]) -> Mapping[str, int]:
+    lengths = dict(super().get_model_feature_lengths(task_feature_lengths))
+    lengths[DECODER_TASK_IDS] = task_feature_lengths[TASK_IDS]
+    return lengths
 
 
 def feature_converter(config: DatasetConfig, pack: bool | None = None) -> seqio.FeatureConverter:
@@ -171,18 +282,33 @@ def feature_converter(config: DatasetConfig, pack: bool | None = None) -> seqio.
   """
   pack = config.pack if pack is None else pack
   if config.architecture == "encoder_decoder":
+    if config.task_ids:
+      return TaskIdEncDecFeatureConverter(pack=pack)
     return seqio.EncDecFeatureConverter(pack=pack)
   return seqio.DecoderFeatureConverter(pack=pack)
 
 
-def for_model(config: DatasetConfig, model_config: network.T5Config) -> DatasetConfig:
-  """`config` with the architecture of `model_config`."""
-  return dataclasses.replace(config, architecture=model_config.architecture)
+def for_model(
+  config: DatasetConfig, model_config: network.T5Config, task_ids: Sequence[str] = ()
+) -> DatasetConfig:
+  """`config` with the architecture of `model_config` and the model's `task_ids`."""
+  return dataclasses.replace(
+    config, architecture=model_config.architecture, task_ids=tuple(task_ids)
+  )
+
+
+def converter_lengths(config: DatasetConfig) -> dict[str, int]:
+  """The feature converter's task feature lengths: `task_feature_lengths`, and with
+  `config.task_ids` also `task_ids` at the targets' length."""
+  lengths = dict(config.task_feature_lengths)
+  if config.task_ids:
+    lengths[TASK_IDS] = lengths["targets"]
+  return lengths
 
 
 def model_feature_lengths(config: DatasetConfig) -> dict[str, int]:
   """Lengths of the model features (encoder_input_tokens, decoder_*, ...)."""
-  return dict(feature_converter(config).get_model_feature_lengths(config.task_feature_lengths))
+  return dict(feature_converter(config).get_model_feature_lengths(converter_lengths(config)))
 
 
 def model_input_shapes(config: DatasetConfig) -> dict[str, tuple[int, int]]:
@@ -410,10 +536,14 @@ def host_dataset(
     ConfigError: for a preprocessor asking for a feature its input lacks.
   """
   name = config.mixture_or_task_name
+  provider: str | seqio.Mixture = name
+  if config.task_ids:
+    ids = {task: i + 1 for i, task in enumerate(config.task_ids)}
+    provider = TaskIdMixture(get_mixture_or_task(name), ids)
   with naming_failing_task(name, config.split, config.task_feature_lengths, config.seed):
     dataset = seqio.get_dataset(
-      name,
-      task_feature_lengths=config.task_feature_lengths,
+      provider,
+      task_feature_lengths=converter_lengths(config),
       feature_converter=feature_converter(config),
       dataset_split=config.split,
       use_cached=config.use_cached,

@@ -235,6 +235,7 @@ def _mean_metrics(metrics: Sequence[Mapping[str, float]]) -> dict[str, float]:
     "rtd_accuracy",
     "replaced_fraction",
   )
+  keys += tuple(sorted(k for k in metrics[-1] if k.startswith("distill_kl_")))  # per teacher
   summary = {k: float(np.mean([m[k] for m in metrics])) for k in keys if k in metrics[-1]}
   if "learning_rate" in metrics[-1]:
     summary["learning_rate"] = metrics[-1]["learning_rate"]
@@ -547,7 +548,9 @@ def train(
       "metrics) or train.eval_period (loss)."
     )
   model = model or models.build_model()
-  train_dataset_cfg = pipeline.for_model(train_dataset_cfg, model.network_config)
+  train_dataset_cfg = pipeline.for_model(
+    train_dataset_cfg, model.network_config, task_ids=model.train_task_ids
+  )
   if eval_dataset_cfg is not None:
     eval_dataset_cfg = pipeline.for_model(eval_dataset_cfg, model.network_config)
   partitioner = partitioner or partitioning.Partitioner()
