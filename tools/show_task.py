@@ -7,8 +7,8 @@ r"""Lists registered seqio tasks/mixtures or shows a few examples at each stage.
 For a task it prints, per example: the raw record from the data source, the
 preprocessed text (the *_pretokenized features), the token ids with their
 pieces, and then the batch the model sees after
-`seqio.EncDecFeatureConverter(pack=True)` (`seqio.DecoderFeatureConverter` for a
-task with targets alone). For a mixture it first prints each
+`EncDecFeatureConverter(pack=True)` (`DecoderFeatureConverter` for a task with
+targets alone): seqio's, as training builds them (`t5x_lite.data.packing`). For a mixture it first prints each
 task's sampling rate, then the mixed examples. Last, per task and feature, how
 many of the first --truncation_examples examples of the split are longer than
 --sequence_length and would be truncated. Your own task modules can be
@@ -29,7 +29,7 @@ import tensorflow as tf
 from absl import app, flags, logging
 
 from t5x_lite import cli
-from t5x_lite.data import mixing, pipeline
+from t5x_lite.data import mixing, packing, pipeline
 from t5x_lite.core.errors import ConfigError
 
 _LIST = flags.DEFINE_bool("list", False, "Print every registered task and mixture, one a line.")
@@ -161,9 +161,9 @@ def _show_stages(
     mixed = provider.get_dataset(lengths, split=split, shuffle=False, seed=seed)
   _print_examples("preprocessed text and tokens", mixed, num_examples, features)
   # A task with targets alone (the `lm` objective) feeds decoder-only models only.
-  converter_cls = seqio.EncDecFeatureConverter
+  converter_cls = packing.EncDecFeatureConverter
   if "inputs" not in features:
-    converter_cls = seqio.DecoderFeatureConverter
+    converter_cls = packing.DecoderFeatureConverter
     lengths = {"targets": lengths["targets"]}
   packed = converter_cls(pack=True)(mixed, task_feature_lengths=lengths)
   model_features = {

@@ -8,7 +8,8 @@ t5x_lite, and of the seqio modules named in `AS_WRITTEN`, use TF ops only (no Py
 costs several seconds of parsing at every start of a training, evaluation or inference
 process (about a fifth of a small run's start-up). seqio's packing (`seqio.utils`) loops
 over tensors in Python and keeps the conversion, as do the functions of any other module
-(a task module's own preprocessors included).
+(a task module's own preprocessors included); t5x_lite's feature converters pack with
+`t5x_lite.data.packing`, the same algorithm in graph ops, so they need none.
 
 A function of these modules that did branch on a tensor in Python would fail while
 tracing (`OperatorNotAllowedInGraphError`) rather than behave differently, so a mistake

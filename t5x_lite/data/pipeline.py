@@ -64,7 +64,7 @@ from absl import logging
 from jax.sharding import Sharding
 
 from t5x_lite.nn import network
-from t5x_lite.data import preprocessors
+from t5x_lite.data import packing, preprocessors
 from t5x_lite.core.errors import ConfigError
 from t5x_lite.core.types import GIN_REQUIRED
 
@@ -239,7 +239,7 @@ class TaskIdMixture(seqio.Mixture):
     return dataset.map(with_task_id, num_parallel_calls=tf.data.AUTOTUNE)
 
 
-class TaskIdEncDecFeatureConverter(seqio.EncDecFeatureConverter):
+class TaskIdEncDecFeatureConverter(packing.EncDecFeatureConverter):
   """`seqio.EncDecFeatureConverter` that also carries `task_ids` as `decoder_task_ids`.
 
   `task_ids` is trimmed, padded and packed as a task feature of the targets' length,
@@ -271,10 +271,11 @@ class TaskIdEncDecFeatureConverter(seqio.EncDecFeatureConverter):
 def feature_converter(config: DatasetConfig, pack: bool | None = None) -> seqio.FeatureConverter:
   """The seqio feature converter of `config.architecture`.
 
-  Encoder-decoder: `EncDecFeatureConverter`. Decoder-only and prefix LM:
-  `DecoderFeatureConverter`, which concatenates inputs and targets (loss on the
-  targets only) or, for a task with targets alone, makes plain language-model
-  features.
+  Encoder-decoder: `EncDecFeatureConverter` (`TaskIdEncDecFeatureConverter` with
+  `config.task_ids`). Decoder-only and prefix LM: `DecoderFeatureConverter`, which
+  concatenates inputs and targets (loss on the targets only) or, for a task with
+  targets alone, makes plain language-model features. seqio's converters, packing
+  without AutoGraph (`t5x_lite.data.packing`: the same rows).
 
   Args:
     config: the dataset config.
@@ -284,8 +285,8 @@ def feature_converter(config: DatasetConfig, pack: bool | None = None) -> seqio.
   if config.architecture == "encoder_decoder":
     if config.task_ids:
       return TaskIdEncDecFeatureConverter(pack=pack)
-    return seqio.EncDecFeatureConverter(pack=pack)
-  return seqio.DecoderFeatureConverter(pack=pack)
+    return packing.EncDecFeatureConverter(pack=pack)
+  return packing.DecoderFeatureConverter(pack=pack)
 
 
 def for_model(
