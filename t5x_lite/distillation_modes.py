@@ -39,8 +39,8 @@ from typing import Mapping, Sequence
 import gin
 import jax
 import jax.numpy as jnp
-from absl import logging
 import seqio
+from absl import logging
 from etils import epath
 
 from t5x_lite import distillation, models

@@ -8,10 +8,10 @@ For a task it prints, per example: the raw record from the data source, the
 preprocessed text (the *_pretokenized features), the token ids with their
 pieces, and then the batch the model sees after
 `EncDecFeatureConverter(pack=True)` (`DecoderFeatureConverter` for a task with
-targets alone): seqio's, as training builds them (`t5x_lite.data.packing`). For a mixture it first prints each
-task's sampling rate, then the mixed examples. Last, per task and feature, how
-many of the first --truncation_examples examples of the split are longer than
---sequence_length and would be truncated. Your own task modules can be
+targets alone): seqio's, as training builds them (`t5x_lite.data.packing`). For
+a mixture it first prints each task's sampling rate, then the mixed examples.
+Last, per task and feature, how many of the first --truncation_examples examples
+of the split are longer than --sequence_length and would be truncated. Your own task modules can be
 loaded with --module_import=my_tasks or a gin file that does `import my_tasks`;
 --gin_bindings set e.g. the data directory: "local_data_dir.path = '/data'".
 """
