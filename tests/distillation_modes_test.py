@@ -296,6 +296,15 @@ def test_per_task_teachers_train_on_a_mixture_and_must_name_its_tasks(tmp_path):
   )
   with pytest.raises(errors.ConfigError, match=f"task '{OTHER_TASK}', which is not in the "):
     train_on_task(TASK, tmp_path / "only_one_task", 2, model)
+  # Resuming with other task ids would read other batches: refused, naming the binding.
+  one_task = distillation_modes.build_multi_teacher_distillation_model(
+    teacher_checkpoint_paths=[str(tmp_path / "teacher0")],
+    teacher_tasks=[TASK],
+    config=tiny_checkpoint_config(),
+    vocabulary=VOCAB,
+  )
+  with pytest.raises(errors.ConfigError, match=r"teacher_tasks names\) are \['distillation"):
+    train_on_task(MIXTURE, tmp_path / "student", 3, one_task)
 
 
 def test_a_resumed_self_distillation_run_continues_its_average_exactly(tmp_path):

@@ -66,6 +66,7 @@ def train_data_meta(cfg: pipeline.DatasetConfig) -> dict[str, Any]:
     "batch_size": cfg.batch_size,
     "task_feature_lengths": dict(cfg.task_feature_lengths),
     "pack": cfg.pack,
+    "task_ids": list(cfg.task_ids),
   }
 
 
@@ -98,6 +99,15 @@ def check_resume(
           f"or from this checkpoint with --gin_file=runs/finetune.gin "
           f"--gin.INITIAL_CHECKPOINT_PATH={model_dir} (the fine-tuning route)."
         )
+    # Older runs saved no task ids; their batches carried none.
+    if saved.get("task_ids", []) != asked["task_ids"]:
+      raise ConfigError(
+        f"The batches' task ids (the model's train_task_ids: the tasks that "
+        f"build_multi_teacher_distillation_model.teacher_tasks names) are "
+        f"{asked['task_ids']}, but {where} was trained with {saved.get('task_ids', [])}; a "
+        "resumed run must read the data it was trained on. Name the same tasks to resume, "
+        "or start a new MODEL_DIR."
+      )
   if total_steps < step:
     raise ConfigError(
       f"TRAIN_STEPS {total_steps} is below step {step}, which {where} has already reached "
