@@ -32,7 +32,6 @@ checkpoints: the student's params only) whose auxiliary state is something else:
 
 from __future__ import annotations
 
-import difflib
 import os
 from typing import Mapping, Sequence
 
@@ -146,9 +145,7 @@ class MultiTeacherDistillationModel(distillation.DistillationModel):
       kls.append(kl)
       masks.append(mask)
     if self.weights is None:  # the mean over the teachers of each token's task
-      count = masks[0]
-      for mask in masks[1:]:
-        count = count + mask
+      count = sum(masks)  # [batch, len]: how many teachers teach each token
       summed = sum(kl * mask for kl, mask in zip(kls, masks))
       mean = summed / jnp.maximum(count, 1.0)  # [batch, len]; 0 where no teacher
       return jnp.sum(mean * weights) / factor, per_teacher
@@ -266,8 +263,6 @@ def build_multi_teacher_distillation_model(
   if not paths:
     raise ConfigError(f"{binding}.teacher_checkpoint_paths names no teacher.")
   tasks = None if teacher_tasks is None else _teacher_tasks(teacher_tasks, len(paths), binding)
-  if teacher_weights is None and tasks is None:
-    teacher_weights = [1.0 / len(paths)] * len(paths)
   weights = None if teacher_weights is None else list(teacher_weights)
   if weights is not None:
     _check_weights(weights, len(paths), binding)
@@ -278,17 +273,7 @@ def build_multi_teacher_distillation_model(
   ]
   step_dirs = [step_dir for step_dir, _ in loaded]
   _same_vocabulary(paths, step_dirs, f"{binding}.teacher_checkpoint_paths")
-  logging.info(
-    "Distilling from %d teachers %s, weights %s, alpha %g, T %g",
-    len(paths),
-    [str(d) for d in step_dirs],
-    "the mean over each token's task's teachers" if weights is None else weights,
-    alpha,
-    temperature,
-  )
-  for i, teacher_task_names in enumerate(tasks or ()):
-    logging.info("Teacher %d teaches the tokens of %s", i, ", ".join(teacher_task_names))
-  return MultiTeacherDistillationModel(
+  model = MultiTeacherDistillationModel(
     student=student,
     teachers=[teacher for _, teacher in loaded],
     teacher_checkpoints=step_dirs,
@@ -297,6 +282,17 @@ def build_multi_teacher_distillation_model(
     temperature=temperature,
     teacher_tasks=tasks,
   )
+  logging.info(
+    "Distilling from %d teachers %s, weights %s, alpha %g, T %g",
+    len(paths),
+    [str(d) for d in step_dirs],
+    "the mean over each token's task's teachers" if model.weights is None else model.weights,
+    alpha,
+    temperature,
+  )
+  for i, teacher_task_names in enumerate(tasks or ()):
+    logging.info("Teacher %d teaches the tokens of %s", i, ", ".join(teacher_task_names))
+  return model
 
 
 def _check_weights(weights: Sequence[float], count: int, binding: str) -> None:
@@ -319,7 +315,7 @@ def _teacher_tasks(
 
   Raises:
     ConfigError: another count than the teachers', an empty entry, or a name that is
-      no registered seqio task (listing the closest).
+      no registered seqio task (listing the closest) or a mixture.
   """
   entries = [teacher_tasks] if isinstance(teacher_tasks, str) else list(teacher_tasks)
   if len(entries) != count:
@@ -333,10 +329,12 @@ def _teacher_tasks(
     if not names:
       raise ConfigError(f"{binding}.teacher_tasks[{i}] names no task.")
     for name in names:
-      if name not in seqio.TaskRegistry.names():
-        close = difflib.get_close_matches(name, seqio.TaskRegistry.names(), n=5, cutoff=0.5)
-        hint = f" (closest: {', '.join(close)})" if close else ""
-        raise ConfigError(f"{binding}.teacher_tasks[{i}]: no seqio task named {name!r}{hint}.")
+      try:
+        provider = pipeline.get_mixture_or_task(name)  # unknown: lists the closest names
+      except ConfigError as e:
+        raise ConfigError(f"{binding}.teacher_tasks[{i}]: {e}") from None
+      if not isinstance(provider, seqio.Task):
+        raise ConfigError(f"{binding}.teacher_tasks[{i}]: {name!r} is a mixture; name its tasks.")
     resolved.append(names)
   return resolved
 

@@ -347,11 +347,15 @@ def test_bad_settings_are_one_line_errors_naming_the_binding(tmp_path):
     (dict(teacher_checkpoint_paths=paths, teacher_tasks=[TASK]), f"{name}.teacher_tasks has 1"),
     (
       dict(teacher_checkpoint_paths=paths, teacher_tasks=[TASK, TASK + "s"]),
-      rf"{name}.teacher_tasks\[1\]: no seqio task named '{TASK}s' \(closest: {TASK}",
+      rf"{name}.teacher_tasks\[1\]: No seqio task or mixture named '{TASK}s' \(closest: {TASK}",
     ),
     (
       dict(teacher_checkpoint_paths=paths, teacher_tasks=[TASK, []]),
       r"teacher_tasks\[1\] names no",
+    ),
+    (
+      dict(teacher_checkpoint_paths=paths, teacher_tasks=[TASK, MIXTURE]),
+      rf"{name}.teacher_tasks\[1\]: '{MIXTURE}' is a mixture; name its tasks",
     ),
     (
       dict(teacher_checkpoint_paths=[paths[0], str(tmp_path / "wide")]),

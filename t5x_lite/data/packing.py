@@ -14,6 +14,7 @@ converters below are seqio's with only their packing swapped.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 import seqio
 import tensorflow as tf
@@ -178,25 +179,15 @@ class DecoderFeatureConverter(seqio.DecoderFeatureConverter):
     bos_id: int = 0,
     passthrough_features: Mapping[str, seqio.FeatureConverter.FeatureSpec] | None = None,
   ):
-    super().__init__(
-      loss_on_targets_only=loss_on_targets_only,
-      pack=pack,
-      use_custom_packing_ops=use_custom_packing_ops,
-      apply_length_check=apply_length_check,
-      bos_id=bos_id,
-      passthrough_features=passthrough_features,
-    )
-    self.prefixlm_feature_converter = _PrefixLMFeatureConverter(
-      loss_on_targets_only=loss_on_targets_only,
-      pack=pack,
-      use_custom_packing_ops=use_custom_packing_ops,
-      apply_length_check=apply_length_check,
-      bos_id=bos_id,
-      passthrough_features=passthrough_features,
-    )
-    self.strictlm_feature_converter = _LMFeatureConverter(
+    shared: dict[str, Any] = dict(
       pack=pack,
       use_custom_packing_ops=use_custom_packing_ops,
       apply_length_check=apply_length_check,
       bos_id=bos_id,
     )
+    prefix_lm = dict(
+      loss_on_targets_only=loss_on_targets_only, passthrough_features=passthrough_features
+    )
+    super().__init__(**prefix_lm, **shared)
+    self.prefixlm_feature_converter = _PrefixLMFeatureConverter(**prefix_lm, **shared)
+    self.strictlm_feature_converter = _LMFeatureConverter(**shared)
