@@ -9,16 +9,44 @@ import pytest
 from t5x_lite.training import throughput
 
 
-def test_fastest_activation_dtype_is_bfloat16_only_where_native():
+def test_fastest_activation_dtype_is_bfloat16_only_where_native_and_faster():
   assert throughput.fastest_activation_dtype("gpu") == "bfloat16"
   assert throughput.fastest_activation_dtype("tpu") == "bfloat16"
   avx512_bf16 = frozenset({"avx2", "avx512f", "avx512_bf16"})
   amx = frozenset({"avx512f", "amx_bf16", "amx_tile"})
   avx2_only = frozenset({"avx2", "fma"})
-  assert throughput.fastest_activation_dtype("cpu", avx512_bf16) == "bfloat16"
-  assert throughput.fastest_activation_dtype("cpu", amx) == "bfloat16"
-  assert throughput.fastest_activation_dtype("cpu", avx2_only) == "float32"
-  assert throughput.fastest_activation_dtype("cpu", frozenset()) == "float32"
+
+  def never() -> float:
+    raise AssertionError("measured where bfloat16 is not native")
+
+  assert throughput.fastest_activation_dtype("cpu", avx512_bf16, lambda: 1.4) == "bfloat16"
+  assert throughput.fastest_activation_dtype("cpu", amx, lambda: 3.0) == "bfloat16"
+  # Native instructions, but XLA:CPU's bfloat16 matmul no faster than float32's.
+  assert throughput.fastest_activation_dtype("cpu", avx512_bf16, lambda: 0.6) == "float32"
+  assert throughput.fastest_activation_dtype("cpu", avx512_bf16, lambda: 1.05) == "float32"
+  assert throughput.fastest_activation_dtype("cpu", avx2_only, never) == "float32"
+  assert throughput.fastest_activation_dtype("cpu", frozenset(), never) == "float32"
+
+
+def test_the_cpu_bfloat16_speedup_is_measured_once_per_machine(tmp_path, monkeypatch):
+  monkeypatch.setenv("T5X_LITE_CACHE", str(tmp_path))
+  calls = []
+
+  def measure() -> float:
+    calls.append(1)
+    return 0.6
+
+  flags = frozenset({"avx512f", "avx512_bf16"})
+  assert throughput.cached_cpu_bfloat16_speedup(flags, measure) == 0.6
+  assert throughput.cached_cpu_bfloat16_speedup(flags, measure) == 0.6
+  assert len(calls) == 1 and (tmp_path / "cpu_bfloat16_speedup.json").exists()
+  # Another flag set (or CPU, or jax version) is measured again.
+  assert throughput.cached_cpu_bfloat16_speedup(flags | {"amx_bf16"}, lambda: 2.0) == 2.0
+  assert len(calls) == 1
+
+
+def test_the_bfloat16_speedup_is_a_positive_ratio():
+  assert throughput.bfloat16_matmul_speedup(size=64, rounds=1) > 0
 
 
 def test_cpu_peak_is_measured_in_the_model_dtype_with_no_second_figure():

@@ -21,12 +21,18 @@ the network's matmuls, no rematerialisation). Two peaks (`device_peak_flops`):
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 import statistics
 import time
+from collections.abc import Callable
 
 import gin
 import jax
 import jax.numpy as jnp
+from absl import logging
+
+from t5x_lite.core import cache
 
 # Dense (no sparsity) peak FLOP/s per device (TPU chip, GPU) by the precision its matrix
 # units run at; no timings. Sources, by key:
@@ -74,30 +80,97 @@ def cpu_flags() -> frozenset[str]:
   return frozenset()
 
 
+# bfloat16 over float32 matmul FLOP/s at or above which a CPU's bfloat16 counts as faster.
+BF16_MIN_SPEEDUP = 1.1
+
+
+def cpu_model_name() -> str:
+  """The first processor's model name from /proc/cpuinfo ('' where there is none)."""
+  try:
+    with open("/proc/cpuinfo", encoding="utf-8") as f:
+      for line in f:
+        if line.startswith("model name"):
+          return line.split(":", 1)[1].strip()
+  except OSError:
+    pass
+  return ""
+
+
+def bfloat16_matmul_speedup(size: int = 1024, rounds: int = 3) -> float:
+  """bfloat16 over float32 matmul FLOP/s on the first device (`measure_matmul_flops`
+  of each dtype, interleaved `rounds` times; the ratio of their medians)."""
+  f32, bf16 = [], []
+  for _ in range(rounds):
+    f32.append(measure_matmul_flops(size, jnp.float32, repeats=5, warmup=1))
+    bf16.append(measure_matmul_flops(size, jnp.bfloat16, repeats=5, warmup=1))
+  return statistics.median(bf16) / statistics.median(f32)
+
+
+def cached_cpu_bfloat16_speedup(
+  flags: frozenset[str], measure: Callable[[], float] = bfloat16_matmul_speedup
+) -> float:
+  """`measure()` once per CPU model, flag set and jax version, kept in
+  `<cache dir>/cpu_bfloat16_speedup.json` (so every run on a machine picks the same
+  dtype) and logged where it is measured."""
+  path = os.path.join(cache.cache_dir(), "cpu_bfloat16_speedup.json")
+  key = "|".join(
+    (cpu_model_name(), ",".join(sorted(flags & NATIVE_BF16_CPU_FLAGS)), jax.__version__)
+  )
+  with cache.file_lock(path + ".lock"):
+    try:
+      with open(path, encoding="utf-8") as f:
+        known = json.load(f)
+    except (OSError, ValueError):
+      known = {}
+    if key not in known:
+      known[key] = measure()
+      logging.info(
+        "bfloat16 matmuls run %.2fx float32's on this CPU (%s; measured once, kept in %s)",
+        known[key],
+        key,
+        path,
+      )
+      cache.atomic_write(path, json.dumps(known, indent=1).encode())
+  return float(known[key])
+
+
 @gin.configurable
 def fastest_activation_dtype(
-  backend: str | None = None, flags: frozenset[str] | None = None
+  backend: str | None = None,
+  flags: frozenset[str] | None = None,
+  measure: Callable[[], float] | None = None,
 ) -> str:
-  """'bfloat16' where bfloat16 matmuls run natively, else 'float32'.
+  """'bfloat16' where bfloat16 matmuls are faster than float32's, else 'float32'.
 
-  Accelerators (TPU, GPU) and CPUs with AVX512-BF16 or AMX-BF16 multiply bfloat16
-  natively; elsewhere XLA:CPU emulates it, slower than float32. The recipes set
-  `T5Config.dtype = @fastest_activation_dtype()`: on a CPU with AVX512-BF16 their
-  runs reached the same loss and metric at each step as float32, sooner
-  (docs/recipes.md). Parameters and the optimizer stay float32 either way.
+  Accelerators (TPU, GPU) multiply bfloat16 natively. A CPU needs AVX512-BF16 or
+  AMX-BF16, and even then XLA:CPU's bfloat16 matmul is not always the faster one (on
+  an Intel Xeon with AVX512-BF16 and no AMX it ran at 0.6x float32's), so on such
+  a CPU the two are timed once (`cached_cpu_bfloat16_speedup`) and bfloat16 is chosen
+  only at `BF16_MIN_SPEEDUP` or more. Elsewhere XLA:CPU emulates bfloat16, slower than
+  float32. The recipes set `T5Config.dtype = @fastest_activation_dtype()`: where
+  bfloat16 was faster their runs reached the same loss and metric at each step as
+  float32, sooner (docs/recipes.md). Parameters and the optimizer stay float32 either way.
 
   Args:
     backend: the JAX backend (default `jax.default_backend()`).
     flags: the CPU's flags (default `cpu_flags()`).
+    measure: returns bfloat16 over float32 matmul FLOP/s (default
+      `bfloat16_matmul_speedup`, cached per machine).
 
   Returns:
     A `T5Config.dtype` name.
   """
   backend = backend or jax.default_backend()
-  native = backend != "cpu" or bool(
-    (cpu_flags() if flags is None else flags) & NATIVE_BF16_CPU_FLAGS
-  )
-  return "bfloat16" if native else "float32"
+  if backend != "cpu":
+    return "bfloat16"
+  flags = cpu_flags() if flags is None else flags
+  if not flags & NATIVE_BF16_CPU_FLAGS:
+    return "float32"
+  if measure is None:
+    speedup = cached_cpu_bfloat16_speedup(flags)
+  else:
+    speedup = measure()
+  return "bfloat16" if speedup >= BF16_MIN_SPEEDUP else "float32"
 
 
 def matmul_precision(dtype: str | jnp.dtype, platform: str, default_precision: str | None) -> str:
