@@ -29,6 +29,12 @@ def test_a_warm_up_longer_than_the_schedule_names_both_bindings():
     optimizers.warmup_cosine(peak_value=1.0, warmup_steps=300, decay_steps=2)
 
 
+def test_a_warm_up_as_long_as_the_schedule_is_all_warm_up():
+  # TRAIN_STEPS=1 WARMUP_STEPS=1 is allowed ("at most"): optax refuses a zero-step cosine.
+  schedule = optimizers.warmup_cosine(peak_value=1.0, warmup_steps=4, decay_steps=4)
+  assert [float(schedule(step)) for step in range(5)] == pytest.approx([0, 0.25, 0.5, 0.75, 1])
+
+
 def test_warmup_cosine_and_constant():
   schedule = optimizers.warmup_cosine(peak_value=1.0, warmup_steps=10, decay_steps=110)
   assert float(schedule(0)) == pytest.approx(0.0)

@@ -309,6 +309,8 @@ def warmup_cosine(
       f"warmup_cosine.warmup_steps ({warmup_steps}) is longer than warmup_cosine.decay_steps "
       f"({decay_steps}, the run's length in the recipes): set WARMUP_STEPS at most TRAIN_STEPS."
     )
+  if warmup_steps == decay_steps:  # all warm-up: optax refuses a cosine of no steps
+    return optax.linear_schedule(init_value, peak_value, warmup_steps)
   return optax.warmup_cosine_decay_schedule(
     init_value=init_value,
     peak_value=peak_value,
