@@ -150,6 +150,7 @@ def fastest_activation_dtype(
   float32. The recipes set `T5Config.dtype = @fastest_activation_dtype()`: where
   bfloat16 was faster their runs reached the same loss and metric at each step as
   float32, sooner (docs/recipes.md). Parameters and the optimizer stay float32 either way.
+  Each process of a multi-process CPU job decides for itself: set `T5Config.dtype` there.
 
   Args:
     backend: the JAX backend (default `jax.default_backend()`).
