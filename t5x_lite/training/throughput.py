@@ -84,16 +84,25 @@ def cpu_flags() -> frozenset[str]:
 BF16_MIN_SPEEDUP = 1.1
 
 
-def cpu_model_name() -> str:
-  """The first processor's model name from /proc/cpuinfo ('' where there is none)."""
+def cpu_identity() -> str:
+  """The first processor's model name, family and model from /proc/cpuinfo, e.g.
+  'Intel(R) Xeon(R) Processor (family 6 model 207)' ('' where there is none)."""
+  fields: dict[str, str] = {}
   try:
     with open("/proc/cpuinfo", encoding="utf-8") as f:
       for line in f:
-        if line.startswith("model name"):
-          return line.split(":", 1)[1].strip()
+        name, _, value = line.partition(":")
+        name = name.strip()
+        if name in ("model name", "cpu family", "model") and name not in fields:
+          fields[name] = value.strip()
+        if not line.strip():
+          break  # the end of the first processor
   except OSError:
     pass
-  return ""
+  if not fields:
+    return ""
+  family, model = fields.get("cpu family", "?"), fields.get("model", "?")
+  return f"{fields.get('model name', '')} (family {family} model {model})"
 
 
 def bfloat16_matmul_speedup(size: int = 1024, rounds: int = 3) -> float:
@@ -109,13 +118,11 @@ def bfloat16_matmul_speedup(size: int = 1024, rounds: int = 3) -> float:
 def cached_cpu_bfloat16_speedup(
   flags: frozenset[str], measure: Callable[[], float] = bfloat16_matmul_speedup
 ) -> float:
-  """`measure()` once per CPU model, flag set and jax version, kept in
+  """`measure()` once per CPU (`cpu_identity`), flag set and jax version, kept in
   `<cache dir>/cpu_bfloat16_speedup.json` (so every run on a machine picks the same
   dtype) and logged where it is measured."""
   path = os.path.join(cache.cache_dir(), "cpu_bfloat16_speedup.json")
-  key = "|".join(
-    (cpu_model_name(), ",".join(sorted(flags & NATIVE_BF16_CPU_FLAGS)), jax.__version__)
-  )
+  key = "|".join((cpu_identity(), ",".join(sorted(flags & NATIVE_BF16_CPU_FLAGS)), jax.__version__))
   with cache.file_lock(path + ".lock"):
     try:
       with open(path, encoding="utf-8") as f:
@@ -143,9 +150,9 @@ def fastest_activation_dtype(
   """'bfloat16' where bfloat16 matmuls are faster than float32's, else 'float32'.
 
   Accelerators (TPU, GPU) multiply bfloat16 natively. A CPU needs AVX512-BF16 or
-  AMX-BF16, and even then XLA:CPU's bfloat16 matmul is not always the faster one (on
-  an Intel Xeon with AVX512-BF16 and no AMX it ran at 0.6x float32's), so on such
-  a CPU the two are timed once (`cached_cpu_bfloat16_speedup`) and bfloat16 is chosen
+  AMX-BF16, and even then XLA:CPU's bfloat16 matmul is not always the faster one
+  (docs/performance.md has a CPU where it is slower), so on such a CPU the two are
+  timed once (`cached_cpu_bfloat16_speedup`) and bfloat16 is chosen
   only at `BF16_MIN_SPEEDUP` or more. Elsewhere XLA:CPU emulates bfloat16, slower than
   float32. The recipes set `T5Config.dtype = @fastest_activation_dtype()`: where
   bfloat16 was faster their runs reached the same loss and metric at each step as
