@@ -22,7 +22,8 @@ KERNELS: dict[str, Kernels] = {
   k.name: k for k in (reference.KERNELS, xla_cpu.KERNELS, xla_gpu.KERNELS)
 }
 # The set 'auto' picks per backend (`jax.default_backend()`); other backends: 'reference'.
-# 'gpu' stays 'reference' until tools/gpu_benchmark.sh shows 'xla_gpu' faster there.
+# 'gpu' stays 'reference' until 'xla_gpu' is measured there beyond one training shape
+# (docs/performance.md): its decoding has not run on a GPU yet.
 AUTO: dict[str, str] = {'cpu': 'xla_cpu'}
 # The values `T5Config.kernels` accepts.
 NAMES: tuple[str, ...] = ('auto', *KERNELS)
