@@ -74,6 +74,7 @@ if __name__ == "__main__":  # first, before TensorFlow and JAX load (logged late
   # Environment defaults, no compilation cache (compile times are measured); TensorFlow: below.
   console.quiet_startup(import_tensorflow=False, compilation_cache=False)
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -83,13 +84,13 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import flax.linen as nn
 import jax
 import numpy as np
-from absl import app, flags
+from absl import app, flags, logging
 
 from t5x_lite import cli, models
 from t5x_lite.core import errors, gin_config
@@ -695,9 +696,12 @@ def compile_ours(s: Settings, ours: dict[str, models.EncoderDecoderModel]) -> di
   for prefix, model in ours.items():
     holder: dict[str, Any] = {}
     if "train" not in s.skip:
-      raw.update({prefix + k: v for k, v in prepare_ours_train(s, model, holder).figures.items()})
+      with _phase(raw, f"{prefix}train setup"):
+        figures = prepare_ours_train(s, model, holder).figures
+      raw.update({prefix + k: v for k, v in figures.items()})
     if "decode" not in s.skip:
-      measure_ours_decode(s, model, holder.get("params") or _initial_params(model))
+      with _phase(raw, f"{prefix}decode"):
+        measure_ours_decode(s, model, holder.get("params") or _initial_params(model))
   return raw
 
 
@@ -716,6 +720,18 @@ def profile_ours(s: Settings, trains: dict[str, OursTrain]) -> dict[str, str]:
         train.run()
     out[f"{prefix}profile_dir"] = folder
   return out
+
+
+@contextlib.contextmanager
+def _phase(raw: dict[str, Any], name: str) -> Iterator[None]:
+  """Adds one phase's wall seconds to `raw['phase_s'][name]` and logs them as it ends,
+  so that the log of a run stopped for time says how far it got and where the time went."""
+  start = time.perf_counter()
+  yield
+  seconds = time.perf_counter() - start
+  phases = raw.setdefault("phase_s", {})
+  phases[name] = phases.get(name, 0.0) + seconds
+  logging.info("benchmark phase %s: %.1f s", name, seconds)
 
 
 def run_benchmark(s: Settings) -> dict[str, Any]:
@@ -757,7 +773,8 @@ def measure(s: Settings) -> dict[str, Any]:
   if s.compare_t5x:  # first: a peer that cannot run fails before the long measurements
     raw.update(run_t5x_peer(s))
   dtype = jax.numpy.dtype(s.config.dtype)
-  raw["jax_peak_flops"] = throughput.measure_matmul_flops(s.matmul_size, dtype, s.reps)
+  with _phase(raw, "peak matmul"):
+    raw["jax_peak_flops"] = throughput.measure_matmul_flops(s.matmul_size, dtype, s.reps)
   raw.update(datasheet_peaks(s))
   # by key prefix: "" ours, "kernels_<name>_" ours with other kernels, "hf_"
   ours = our_models(s)
@@ -766,19 +783,22 @@ def measure(s: Settings) -> dict[str, Any]:
   trains: dict[str, OursTrain] = {}
   if "train" not in s.skip:
     for prefix, other in ours.items():
-      trains[prefix] = prepare_ours_train(s, other, holder if not prefix else {})
+      with _phase(raw, f"{prefix}train setup"):  # initialisation, compile, first call
+        trains[prefix] = prepare_ours_train(s, other, holder if not prefix else {})
       raw.update({prefix + k: v for k, v in trains[prefix].figures.items()})
   else:
     holder["params"] = _initial_params(model)
   train_steps = {prefix: train.run for prefix, train in trains.items()}
   raw["num_params"] = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(holder["params"]))
   if "decode" not in s.skip:
-    ours_decode = measure_ours_decode(s, model, holder["params"])
+    with _phase(raw, "decode"):
+      ours_decode = measure_ours_decode(s, model, holder["params"])
     raw.update({k: v for k, v in ours_decode.items() if k.endswith("_s")})
     for prefix, other in ours.items():
       if not prefix:
         continue
-      decoded = measure_ours_decode(s, other, holder["params"])
+      with _phase(raw, f"{prefix}decode"):
+        decoded = measure_ours_decode(s, other, holder["params"])
       raw.update({prefix + k: v for k, v in decoded.items() if k.endswith("_s")})
       agreement = np.mean(decoded["greedy_tokens"] == ours_decode["greedy_tokens"])
       raw[f"{prefix}greedy_token_agreement"] = float(agreement)
@@ -788,8 +808,9 @@ def measure(s: Settings) -> dict[str, Any]:
 
     torch.set_num_threads(s.threads)
     torch_dtype = torch.float32 if s.config.dtype == "float32" else torch.bfloat16
-    raw["torch_peak_flops"] = torch_matmul_peak(s.matmul_size, torch_dtype, s.reps, _hf_device())
-    hf_model = load_hf_model(s, holder["params"])
+    with _phase(raw, "hf setup"):
+      raw["torch_peak_flops"] = torch_matmul_peak(s.matmul_size, torch_dtype, s.reps, _hf_device())
+      hf_model = load_hf_model(s, holder["params"])
     raw["hf_num_params"] = sum(p.numel() for p in hf_model.parameters())
     if "decode" not in s.skip:
       hf_decode = measure_hf_decode(s, hf_model, ours_decode["inputs"])
@@ -799,13 +820,16 @@ def measure(s: Settings) -> dict[str, Any]:
       )
     if "train" not in s.skip:
       train_steps["hf_"] = prepare_hf_train(s, hf_model)
-  for prefix, (seconds, times) in time_in_turn(train_steps, s.reps, s.warmup, s.settle).items():
+  with _phase(raw, "timed train steps"):
+    timed = time_in_turn(train_steps, s.reps, s.warmup, s.settle)
+  for prefix, (seconds, times) in timed.items():
     raw[f"{prefix}train_step_s"], raw[f"{prefix}train_step_times_s"] = seconds, times
   for prefix, train in trains.items():  # the same steps for each set: losses to compare
     raw[f"{prefix}train_first_loss"] = train.losses[0]
     raw[f"{prefix}train_last_loss"] = train.losses[-1]
   if s.profile_dir and trains:
-    raw.update(profile_ours(s, trains))
+    with _phase(raw, "profile"):
+      raw.update(profile_ours(s, trains))
   if s.data_task and "data" not in s.skip:
     raw.update(measure_data(s))
   return raw
