@@ -62,10 +62,9 @@ OUTPUTS = ("gpu_benchmark.json", "summary.txt", "gpu_benchmark.log")
 RESERVE_S = 20.0
 # Train steps traced per kernel set of a profiled run.
 PROFILE_STEPS = 3
-# Compile processes at a time. Its first GPU run (one H200, 16 CPUs) started all 12 at
-# once and none finished within the phase's 168 s, while one process alone compiled
-# small's two train steps in 31.5 and 39.0 s; in plan order, two at a time compile the
-# first runs' programs, which the timed runs then load.
+# Compile processes at a time. One per CPU, all at once, finished none within the
+# compile phase on a GPU machine (docs/performance.md); two at a time, in plan order,
+# compile the first runs' programs, which the timed runs then load.
 COMPILE_WORKERS = 2
 
 
