@@ -68,16 +68,24 @@ DATASHEET_PEAK_FLOPS: dict[str, dict[str, float]] = {
 NATIVE_BF16_CPU_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
 
 
-def cpu_flags() -> frozenset[str]:
-  """The first processor's flags from /proc/cpuinfo (empty where there is none)."""
+def _first_cpu() -> dict[str, str]:
+  """The first processor's fields in /proc/cpuinfo (empty where there is none)."""
+  fields: dict[str, str] = {}
   try:
     with open("/proc/cpuinfo", encoding="utf-8") as f:
       for line in f:
-        if line.startswith("flags"):
-          return frozenset(line.split(":", 1)[1].split())
+        if not line.strip():
+          break  # the end of the first processor
+        name, _, value = line.partition(":")
+        fields.setdefault(name.strip(), value.strip())
   except OSError:
     pass
-  return frozenset()
+  return fields
+
+
+def cpu_flags() -> frozenset[str]:
+  """The first processor's flags from /proc/cpuinfo (empty where there is none)."""
+  return frozenset(_first_cpu().get("flags", "").split())
 
 
 # bfloat16 over float32 matmul FLOP/s at or above which a CPU's bfloat16 counts as faster.
@@ -87,18 +95,7 @@ BF16_MIN_SPEEDUP = 1.1
 def cpu_identity() -> str:
   """The first processor's model name, family and model from /proc/cpuinfo, e.g.
   'Intel(R) Xeon(R) Processor (family 6 model 207)' ('' where there is none)."""
-  fields: dict[str, str] = {}
-  try:
-    with open("/proc/cpuinfo", encoding="utf-8") as f:
-      for line in f:
-        name, _, value = line.partition(":")
-        name = name.strip()
-        if name in ("model name", "cpu family", "model") and name not in fields:
-          fields[name] = value.strip()
-        if not line.strip():
-          break  # the end of the first processor
-  except OSError:
-    pass
+  fields = _first_cpu()
   if not fields:
     return ""
   family, model = fields.get("cpu family", "?"), fields.get("model", "?")
