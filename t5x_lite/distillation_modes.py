@@ -23,9 +23,10 @@ checkpoints: the student's params only) whose auxiliary state is something else:
 * `SelfDistillationModel`: the teacher is an exponential moving average of the student's
   own params (a "mean teacher"): it starts as a copy of the starting params and after
   every update becomes `decay * teacher + (1 - decay) * params` (`update_aux_state`);
-  gradients never reach it. The average is auxiliary state, so it is not saved: a resumed
-  run restarts it from the resumed params. Self-distillation from an earlier checkpoint of
-  the student is plain `DistillationModel` with that checkpoint as the teacher.
+  gradients never reach it. Each checkpoint saves the average beside the student
+  (`<step>/aux_state`), so a resumed run continues it exactly. Self-distillation from an
+  earlier checkpoint of the student is plain `DistillationModel` with that checkpoint as
+  the teacher.
 
   python -m t5x_lite.train --gin_file=quickstart.gin --gin_file=runs/self_distill.gin
 """
