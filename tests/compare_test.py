@@ -151,3 +151,73 @@ def test_the_finetuning_tables_distilled_row_trains_its_teacher_first(tmp_path):
   assert "trainable parameters: 574080 of 574080" in (table / "full_s0.log").read_text()
   assert "Traceback" not in student_log
   assert "| distillation: half-depth student" in (table / "results.md").read_text()
+
+
+def _parsed_compare(*argv: str):
+  """tools/compare.py imported with its flags parsed from `argv`; unparse them after."""
+  if str(REPO / "tools") not in sys.path:
+    sys.path.insert(0, str(REPO / "tools"))
+  import compare  # noqa: E402  (tools/compare.py)
+  from absl import flags
+
+  flags.FLAGS(["compare.py", *argv], known_only=True)
+  return compare, flags.FLAGS
+
+
+_GLUE_TASKS = ("local_glue_sst2", "local_glue_rte")
+
+
+class _FakeRunner:
+  """Records each run's arguments and writes the metrics its model directory would hold."""
+
+  def __init__(self, table_dir: Path):
+    self.table_dir, self.calls = str(table_dir), []
+
+  def run(self, args: list[str], log_path: str) -> float:
+    self.calls.append(args)
+    model_dir = next(a.split("=", 1)[1] for a in args if a.startswith("--gin.MODEL_DIR="))
+    seed = sum(int(b[-1]) for b in args if b.startswith("--gin_bindings=RANDOM_SEED"))
+    os.makedirs(model_dir)
+    records = [{"split": "eval", "loss": 5.0 + seed}]
+    records += [{"split": "eval", f"{t}/accuracy": 60.0 + 4 * seed} for t in _GLUE_TASKS]
+    Path(model_dir, "metrics.jsonl").write_text("\n".join(map(json.dumps, records)) + "\n")
+    return 10.0
+
+
+@pytest.mark.parametrize("seeds", [1, 3])
+def test_seeds_run_each_row_in_its_own_directory_with_its_seed(tmp_path, monkeypatch, seeds):
+  compare, parsed = _parsed_compare("--table=objectives", f"--seeds={seeds}")
+  try:
+    monkeypatch.setattr(compare, "_model_info", lambda *_: {"params": 1, "flops_per_token": 2.0})
+    runner = _FakeRunner(tmp_path)
+    variant = compare.variants("objectives")[0]
+    runs = [compare.run_variant(runner, variant, "objectives", s) for s in range(seeds)]
+    row = compare.seeds_row(runs)
+    table = compare.markdown([row], "objectives")
+  finally:
+    parsed.unparse_flags()
+  # Three runs per seed (pre-training, SST-2, RTE); seed 0 in the row's own directory,
+  # which a one-seed table has always used, seed k in <row>_s<k>.
+  assert len(runner.calls) == 3 * seeds
+  for i, args in enumerate(runner.calls):
+    seed, directory = i // 3, "span_corruption" + (f"_s{i // 3}" if i >= 3 else "")
+    model_dir = next(a for a in args if a.startswith("--gin.MODEL_DIR="))
+    assert model_dir.startswith(f"--gin.MODEL_DIR={tmp_path}/{directory}/")
+    bindings = [a for a in args if a.startswith("--gin_bindings=RANDOM_SEED")]
+    assert bindings == ([f"--gin_bindings=RANDOM_SEED = {seed}"] if seeds > 1 else [])
+  if seeds == 1:  # one seed: the row and table as before --seeds
+    assert row == runs[0] and "seeds" not in row and "| 60.0 | 60.0 |" in table
+    assert "standard error" not in table
+    return
+  # Accuracies 60, 64, 68: mean 64, standard error 4 / sqrt(3) = 2.3.
+  assert row["sst2_accuracy"] == pytest.approx(64.0) and row["seeds"] == runs
+  assert row["sst2_accuracy_se"] == pytest.approx(4 / 3**0.5)
+  assert row["pretrain_validation_loss"] == pytest.approx(6.0)
+  assert "| 64.0 ± 2.3 (60.0, 64.0, 68.0) | 64.0 ± 2.3 (60.0, 64.0, 68.0) |" in table
+  assert "mean ± standard error over 3 seeds" in table
+
+
+def test_no_seeds_is_one_error_line_for_every_table(tmp_path):
+  result = _compare(tmp_path, "--table=objectives", "--seeds=0", "--output_dir=out")
+  assert result.returncode == 1
+  assert result.stderr.strip().splitlines()[-1] == "ERROR: --seeds=0: must be at least 1"

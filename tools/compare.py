@@ -36,6 +36,13 @@ corruption row's --pretrain_steps, its generator counted
 (`ElectraModel.train_flops_per_step`), then fine-tunes the discriminator alone like
 every row (the checkpoint's generator and RTD head are dropped).
 
+--seeds=N runs every row of every table N times (RANDOM_SEED 0..N-1, bound in each of
+its runs) and reports the mean and standard error of each accuracy beside the seeds'
+values. On the tiny model one seed's SST-2 accuracy moves by several points from seed
+to seed (docs/comparisons.md), so a pre-training table needs several seeds before its
+gaps mean anything. In the pre-training tables seed 0 keeps the row's own directory
+(the one-seed table's, so it resumes into it) and seed k > 0 runs in `<row>_s<k>`.
+
 Sizes: --model (a model size file of each architecture's family, default `tiny`),
 --pretrain_steps, --finetune_steps, --batch_size; extra --gin_bindings (or
 --gin.NAME=VALUE) apply to every run, e.g. --gin.T5Config.emb_dim=128. --only=<dirs>
@@ -78,7 +85,9 @@ _FINETUNE_GIN = flags.DEFINE_string(
 _METRIC = flags.DEFINE_string(
   "metric", "local_glue_sst2/accuracy", "--table=finetuning: the validation metric reported."
 )
-_SEEDS = flags.DEFINE_integer("seeds", 1, "--table=finetuning: runs of each row (RANDOM_SEED).")
+_SEEDS = flags.DEFINE_integer(
+  "seeds", 1, "Runs of each row, RANDOM_SEED 0..N-1; above 1 a row reports mean ± SE."
+)
 
 # Every pre-training row holds 160 tokens, as in the quickstarts.
 SHORT_TARGETS = {"inputs": 128, "targets": 32}  # span-style targets: about 25% of the text
@@ -217,14 +226,46 @@ def _model_gin(variant: Variant) -> str:
   return f"--gin_file=models/{variant.family}/{_MODEL.value}.gin"
 
 
-def _common(variant: Variant) -> list[str]:
-  bindings = [*flags.FLAGS.gin_bindings, *variant.bindings]
+def _common(variant: Variant, seed: int) -> list[str]:
+  bindings = [*flags.FLAGS.gin_bindings, *variant.bindings, *_seed_bindings(seed)]
   return [
     "--gin_file=quickstart_base.gin",
     f"--gin.BATCH_SIZE={_BATCH_SIZE.value}",
     f"--data_dir={_DATA_DIR.value}",
     *(f"--gin_bindings={b}" for b in bindings),
   ]
+
+
+def _seed_bindings(seed: int) -> tuple[str, ...]:
+  """RANDOM_SEED of every run of a row when --seeds asks for more than one (one seed
+  leaves it to the gin files and --gin bindings, as before --seeds)."""
+  return (f"RANDOM_SEED = {seed}",) if _SEEDS.value > 1 else ()
+
+
+def row_directory(name: str, seed: int) -> str:
+  """A pre-training table row's run directory for `seed`: seed 0 in the row's own."""
+  return _slug(name) if seed == 0 else f"{_slug(name)}_s{seed}"
+
+
+def mean_and_error(values: Sequence[float]) -> tuple[float, float]:
+  """The mean of `values` and its standard error (NaN for a single value)."""
+  mean = statistics.fmean(values)
+  error = statistics.stdev(values) / math.sqrt(len(values)) if len(values) > 1 else math.nan
+  return mean, error
+
+
+def seeds_row(runs: Sequence[dict]) -> dict:
+  """One table row from the rows of its seeds: the first seed's description, the mean
+  of every figure, the standard error of the accuracies and each seed's row ('seeds')."""
+  if len(runs) == 1:
+    return dict(runs[0])
+  row = dict(runs[0])
+  for key in ("pretrain_seconds", "pretrain_validation_loss", "sst2_seconds", "rte_seconds"):
+    row[key] = statistics.fmean(r[key] for r in runs)
+  for key in ("sst2_accuracy", "rte_accuracy"):
+    row[key], row[f"{key}_se"] = mean_and_error([r[key] for r in runs])
+  row["seeds"] = list(runs)
+  return row
 
 
 def _last(metrics_path: str, split: str, key: str) -> float | None:
@@ -310,12 +351,15 @@ def _model_info(variant: Variant, pretrain_dir: str) -> dict:
   return {"params": params, "flops_per_token": per_token}
 
 
-def run_variant(runner: Runner, variant: Variant, table: str) -> dict:
-  """Pre-trains (or multi-task trains) one variant, fine-tunes or evaluates, returns its row."""
-  root = os.path.join(runner.table_dir, _slug(variant.name))
+def run_variant(runner: Runner, variant: Variant, table: str, seed: int = 0) -> dict:
+  """Pre-trains (or multi-task trains) one variant with one seed, fine-tunes or
+  evaluates, returns its row."""
+  root = os.path.join(runner.table_dir, row_directory(variant.name, seed))
   pretrain_dir = os.path.join(root, "pretrain")
   steps = pretrain_steps(variant)
   row = {"variant": variant.name, "task": variant.task, "lengths": variant.lengths}
+  if _SEEDS.value > 1:
+    row["seed"] = seed
   row["pretrain_steps"], row["flops_matched"] = steps, bool(variant.pretrain_gin_files)
   row["pretrain_seconds"] = runner.run(
     [
@@ -324,7 +368,7 @@ def run_variant(runner: Runner, variant: Variant, table: str) -> dict:
       _model_gin(variant),
       "--gin_file=runs/pretrain.gin",
       *(f"--gin_file={gin_file}" for gin_file in variant.pretrain_gin_files),
-      *_common(variant),
+      *_common(variant, seed),
       *(f"--gin_bindings={b}" for b in variant.pretrain_bindings),
       f"--gin.MODEL_DIR={pretrain_dir}",
       f"--gin.TRAIN_STEPS={steps}",
@@ -364,7 +408,7 @@ def run_variant(runner: Runner, variant: Variant, table: str) -> dict:
         "t5x_lite.train",
         _model_gin(variant),
         "--gin_file=runs/finetune.gin",
-        *_common(variant),
+        *_common(variant, seed),
         f"--gin.MODEL_DIR={model_dir}",
         f"--gin.INITIAL_CHECKPOINT_PATH={pretrain_dir}",
         f"--gin.TRAIN_STEPS={_FINETUNE_STEPS.value}",
@@ -395,7 +439,7 @@ def markdown(rows: Sequence[dict], table: str) -> str:
     lines.append(
       f"| {r['variant']} | `{r['task']}` {r['lengths']} | {r['params']:,} | "
       f"{r['flops_per_token']:.3g} | {r['pretrain_validation_loss']:.3f} | "
-      f"{r['sst2_accuracy']:.1f} | {r['rte_accuracy']:.1f} | {wall:.0f} |"
+      f"{_accuracy(r, 'sst2')} | {_accuracy(r, 'rte')} | {wall:.0f} |"
     )
   matched = "".join(
     f"{r['variant']} pre-trains {r['pretrain_steps']} steps, the training FLOPs of span "
@@ -408,7 +452,21 @@ def markdown(rows: Sequence[dict], table: str) -> str:
     if table == "mixing"
     else f"then {_FINETUNE_STEPS.value} fine-tuning steps per task (dev accuracy).\n"
   )
-  return head + "\n".join(lines) + "\n" + note + matched
+  seeds = (
+    f"Accuracies: mean ± standard error over {_SEEDS.value} seeds (RANDOM_SEED "
+    f"0..{_SEEDS.value - 1}), each seed's in brackets; loss and wall s: the seeds' mean.\n"
+    if _SEEDS.value > 1
+    else ""
+  )
+  return head + "\n".join(lines) + "\n" + note + matched + seeds
+
+
+def _accuracy(row: dict, task: str) -> str:
+  """A row's accuracy cell: the value, or over seeds the mean ± SE and each seed's."""
+  if "seeds" not in row:
+    return f"{row[f'{task}_accuracy']:.1f}"
+  each = ", ".join(f"{r[f'{task}_accuracy']:.1f}" for r in row["seeds"])
+  return f"{row[f'{task}_accuracy']:.1f} ± {row[f'{task}_accuracy_se']:.1f} ({each})"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -535,8 +593,7 @@ def finetuning_markdown(rows: Sequence[dict]) -> str:
   ]
   for r in rows:
     scores = [s for s in r["scores"] if s is not None]
-    mean = statistics.fmean(scores) if scores else math.nan
-    error = statistics.stdev(scores) / math.sqrt(len(scores)) if len(scores) > 1 else math.nan
+    mean, error = mean_and_error(scores) if scores else (math.nan, math.nan)
     lines.append(
       f"| {r['method']} | {r['trainable']} | "
       f"{', '.join('-' if s is None else f'{s:.1f}' for s in r['scores'])} | "
@@ -548,8 +605,6 @@ def finetuning_markdown(rows: Sequence[dict]) -> str:
 
 def run_finetuning_table(table_dir: str) -> None:
   """Runs the chosen rows of the fine-tuning table, rewriting results.{md,json} after each."""
-  if _SEEDS.value < 1:
-    raise ConfigError(f"--seeds={_SEEDS.value}: must be at least 1")
   methods = finetuning_methods(*finetune_settings())
   chosen = [m for m in methods if not _ONLY.value or m.slug in _ONLY.value]
   if not chosen:
@@ -581,6 +636,8 @@ def main(argv: Sequence[str]) -> None:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
   table = _TABLE.value
   table_dir = os.path.join(_OUTPUT_DIR.value, table)
+  if _SEEDS.value < 1:
+    raise ConfigError(f"--seeds={_SEEDS.value}: must be at least 1")
   if table == "finetuning":
     run_finetuning_table(table_dir)
     return
@@ -591,7 +648,7 @@ def main(argv: Sequence[str]) -> None:
     raise ConfigError(f"--only={','.join(_ONLY.value)} names no variant of {table}: {names}")
   for variant in chosen:
     print(f"[{table}] {variant.name} ...", flush=True)
-    rows.append(run_variant(runner, variant, table))
+    rows.append(seeds_row([run_variant(runner, variant, table, s) for s in range(_SEEDS.value)]))
     with open(os.path.join(table_dir, "results.json"), "w") as f:
       json.dump(rows, f, indent=1)
     with open(os.path.join(table_dir, "results.md"), "w") as f:
