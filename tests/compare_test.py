@@ -221,3 +221,25 @@ def test_no_seeds_is_one_error_line_for_every_table(tmp_path):
   result = _compare(tmp_path, "--table=objectives", "--seeds=0", "--output_dir=out")
   assert result.returncode == 1
   assert result.stderr.strip().splitlines()[-1] == "ERROR: --seeds=0: must be at least 1"
+
+
+def test_the_no_pretraining_row_fine_tunes_random_weights(tmp_path, monkeypatch):
+  compare, parsed = _parsed_compare("--table=objectives", "--seeds=2")
+  try:
+    infos = []
+    monkeypatch.setattr(
+      compare, "_model_info", lambda v, d: infos.append(d) or {"params": 1, "flops_per_token": None}
+    )
+    runner = _FakeRunner(tmp_path)
+    assert compare.variants("objectives")[-1] == compare.NO_PRETRAINING
+    runs = [compare.run_variant(runner, compare.NO_PRETRAINING, "objectives", s) for s in (0, 1)]
+    table = compare.markdown([compare.seeds_row(runs)], "objectives")
+  finally:
+    parsed.unparse_flags()
+  # No pre-training run: SST-2 and RTE per seed, each from random weights.
+  assert len(runner.calls) == 4
+  for args in runner.calls:
+    assert "--gin.INITIAL_CHECKPOINT_PATH=None" in args and "--gin_file=runs/finetune.gin" in args
+  assert infos == [f"{tmp_path}/no_pre_training/sst2", f"{tmp_path}/no_pre_training_s1/sst2"]
+  assert runs[0]["pretrain_steps"] == 0 and runs[0]["pretrain_validation_loss"] is None
+  assert "| no pre-training | - | 1 | - | - | 62.0 ± 2.0 (60.0, 64.0) |" in table

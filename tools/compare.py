@@ -34,7 +34,9 @@ The objectives table's `electra` row pre-trains an `ElectraModel` (runs/electra.
 task `cpython_electra`) for as many steps as give the training FLOPs of the span
 corruption row's --pretrain_steps, its generator counted
 (`ElectraModel.train_flops_per_step`), then fine-tunes the discriminator alone like
-every row (the checkpoint's generator and RTD head are dropped).
+every row (the checkpoint's generator and RTD head are dropped). Its last row, `no
+pre-training`, is the baseline: the same fine-tuning runs from random weights, so an
+objective shows that it helps only where its row beats that one.
 
 --seeds=N runs every row of every table N times (RANDOM_SEED 0..N-1, bound in each of
 its runs) and reports the mean and standard error of each accuracy beside the seeds'
@@ -120,6 +122,8 @@ class Variant:
     pretrain_gin_files: gin files its pre-training run adds (after runs/pretrain.gin);
       such a row pre-trains for the span corruption row's training FLOPs
       (`pretrain_steps`).
+    pretrained: False for the baseline row that fine-tunes the model from its random
+      initialisation, with no pre-training run (`NO_PRETRAINING`).
   """
 
   name: str
@@ -129,6 +133,12 @@ class Variant:
   bindings: tuple[str, ...] = ()
   pretrain_bindings: tuple[str, ...] = ()
   pretrain_gin_files: tuple[str, ...] = ()
+  pretrained: bool = True
+
+
+# The objectives table's baseline: the same fine-tuning from random weights. A
+# pre-training objective helps only where its row beats this one.
+NO_PRETRAINING = Variant("no pre-training", "t5_1_1", "", SHORT_TARGETS, pretrained=False)
 
 
 def _objective_lengths(objective: str) -> dict:
@@ -173,7 +183,7 @@ def variants(table: str) -> list[Variant]:
     electra = Variant(
       "electra", "t5_1_1", "cpython_electra", LONG_TARGETS, pretrain_gin_files=(ELECTRA_GIN,)
     )
-    return rows + [electra]
+    return rows + [electra, NO_PRETRAINING]
   # K = 2^16 caps SST-2's 67k training examples only; the other three have 2k-29k.
   rates = {
     "examples-proportional, K = 2^16": ("strategy = 'proportional'", "maximum = 65536"),
@@ -261,7 +271,8 @@ def seeds_row(runs: Sequence[dict]) -> dict:
     return dict(runs[0])
   row = dict(runs[0])
   for key in ("pretrain_seconds", "pretrain_validation_loss", "sst2_seconds", "rte_seconds"):
-    row[key] = statistics.fmean(r[key] for r in runs)
+    values = [r[key] for r in runs]
+    row[key] = None if None in values else statistics.fmean(values)
   for key in ("sst2_accuracy", "rte_accuracy"):
     row[key], row[f"{key}_se"] = mean_and_error([r[key] for r in runs])
   row["seeds"] = list(runs)
@@ -331,7 +342,8 @@ def pretrain_steps(variant: Variant) -> int:
 
 
 def _model_info(variant: Variant, pretrain_dir: str) -> dict:
-  """Parameters and training FLOPs per token of the model the pre-training run saved."""
+  """Parameters and training FLOPs per token of the model the pre-training run saved
+  (for `NO_PRETRAINING`, `pretrain_dir` is a fine-tuning run's and FLOPs are None)."""
   import jax  # the data-free part of the tool stays light to import
 
   from t5x_lite import models
@@ -345,7 +357,7 @@ def _model_info(variant: Variant, pretrain_dir: str) -> dict:
   lengths = flops.network_lengths(
     config, variant.lengths.get("inputs", 0), variant.lengths["targets"]
   )
-  per_token = flops.flops_per_token(config, *lengths)
+  per_token = flops.flops_per_token(config, *lengths) if variant.pretrained else None
   if variant.pretrain_gin_files:  # the pre-training model's own cost (a generator counted)
     per_token = pretrain_flops_per_token(variant)
   return {"params": params, "flops_per_token": per_token}
@@ -356,10 +368,15 @@ def run_variant(runner: Runner, variant: Variant, table: str, seed: int = 0) -> 
   evaluates, returns its row."""
   root = os.path.join(runner.table_dir, row_directory(variant.name, seed))
   pretrain_dir = os.path.join(root, "pretrain")
-  steps = pretrain_steps(variant)
   row = {"variant": variant.name, "task": variant.task, "lengths": variant.lengths}
   if _SEEDS.value > 1:
     row["seed"] = seed
+  if not variant.pretrained:
+    row |= {"pretrain_steps": 0, "flops_matched": False, "pretrain_seconds": 0.0}
+    row["pretrain_validation_loss"] = None
+    row |= _finetune_downstream(runner, variant, seed, root, "None")
+    return {**row, **_model_info(variant, os.path.join(root, "sst2"))}
+  steps = pretrain_steps(variant)
   row["pretrain_steps"], row["flops_matched"] = steps, bool(variant.pretrain_gin_files)
   row["pretrain_seconds"] = runner.run(
     [
@@ -381,26 +398,38 @@ def run_variant(runner: Runner, variant: Variant, table: str, seed: int = 0) -> 
   row["pretrain_validation_loss"] = _last(
     os.path.join(pretrain_dir, "metrics.jsonl"), "eval", "loss"
   )
+  if table != "mixing":
+    row |= _finetune_downstream(runner, variant, seed, root, pretrain_dir)
+    return {**row, **_model_info(variant, pretrain_dir)}
+  for task, lengths in DOWNSTREAM.items():  # the mixing table: no fine-tuning
+    short = task.removeprefix("local_glue_")
+    eval_dir = os.path.join(root, f"eval_{short}")
+    row[f"{short}_seconds"] = runner.run(
+      [
+        "-m",
+        "t5x_lite.eval",
+        "--gin_file=runs/eval.gin",
+        f"--data_dir={_DATA_DIR.value}",
+        f"--gin.CHECKPOINT_PATH={os.path.join(pretrain_dir, str(steps))}",
+        f"--gin.EVAL_OUTPUT_DIR={eval_dir}",
+        f"--gin.MIXTURE_OR_TASK_NAME={task}",
+        f"--gin.TASK_FEATURE_LENGTHS={lengths}",
+      ],
+      os.path.join(root, f"eval_{short}.log"),
+    )
+    with open(os.path.join(eval_dir, f"metrics_step_{steps}.json")) as f:
+      row[f"{short}_accuracy"] = json.load(f)["metrics"][task]["accuracy"]
+  return {**row, **_model_info(variant, pretrain_dir)}
+
+
+def _finetune_downstream(
+  runner: Runner, variant: Variant, seed: int, root: str, initial_checkpoint: str
+) -> dict:
+  """Fine-tunes `initial_checkpoint` ('None': random weights) on each DOWNSTREAM task;
+  each task's wall seconds and dev accuracy."""
+  row = {}
   for task, lengths in DOWNSTREAM.items():
     short = task.removeprefix("local_glue_")
-    if table == "mixing":
-      eval_dir = os.path.join(root, f"eval_{short}")
-      row[f"{short}_seconds"] = runner.run(
-        [
-          "-m",
-          "t5x_lite.eval",
-          "--gin_file=runs/eval.gin",
-          f"--data_dir={_DATA_DIR.value}",
-          f"--gin.CHECKPOINT_PATH={os.path.join(pretrain_dir, str(steps))}",
-          f"--gin.EVAL_OUTPUT_DIR={eval_dir}",
-          f"--gin.MIXTURE_OR_TASK_NAME={task}",
-          f"--gin.TASK_FEATURE_LENGTHS={lengths}",
-        ],
-        os.path.join(root, f"eval_{short}.log"),
-      )
-      with open(os.path.join(eval_dir, f"metrics_step_{steps}.json")) as f:
-        row[f"{short}_accuracy"] = json.load(f)["metrics"][task]["accuracy"]
-      continue
     model_dir = os.path.join(root, short)
     row[f"{short}_seconds"] = runner.run(
       [
@@ -410,7 +439,7 @@ def run_variant(runner: Runner, variant: Variant, table: str, seed: int = 0) -> 
         "--gin_file=runs/finetune.gin",
         *_common(variant, seed),
         f"--gin.MODEL_DIR={model_dir}",
-        f"--gin.INITIAL_CHECKPOINT_PATH={pretrain_dir}",
+        f"--gin.INITIAL_CHECKPOINT_PATH={initial_checkpoint}",
         f"--gin.TRAIN_STEPS={_FINETUNE_STEPS.value}",
         f"--gin.EVAL_PERIOD={_FINETUNE_STEPS.value}",
         f"--gin.train.infer_eval_period={_FINETUNE_STEPS.value}",
@@ -423,7 +452,7 @@ def run_variant(runner: Runner, variant: Variant, table: str, seed: int = 0) -> 
     row[f"{short}_accuracy"] = _last(
       os.path.join(model_dir, "metrics.jsonl"), "eval", f"{task}/accuracy"
     )
-  return {**row, **_model_info(variant, pretrain_dir)}
+  return row
 
 
 def markdown(rows: Sequence[dict], table: str) -> str:
@@ -436,9 +465,12 @@ def markdown(rows: Sequence[dict], table: str) -> str:
   lines = []
   for r in rows:
     wall = r["pretrain_seconds"] + r["sst2_seconds"] + r["rte_seconds"]
+    task = f"`{r['task']}` {r['lengths']}" if r["task"] else "-"
+    flops_per_token, loss = r["flops_per_token"], r["pretrain_validation_loss"]
     lines.append(
-      f"| {r['variant']} | `{r['task']}` {r['lengths']} | {r['params']:,} | "
-      f"{r['flops_per_token']:.3g} | {r['pretrain_validation_loss']:.3f} | "
+      f"| {r['variant']} | {task} | {r['params']:,} | "
+      f"{'-' if flops_per_token is None else f'{flops_per_token:.3g}'} | "
+      f"{'-' if loss is None else f'{loss:.3f}'} | "
       f"{_accuracy(r, 'sst2')} | {_accuracy(r, 'rte')} | {wall:.0f} |"
     )
   matched = "".join(
