@@ -153,53 +153,24 @@ def test_the_finetuning_tables_distilled_row_trains_its_teacher_first(tmp_path):
   assert "| distillation: half-depth student" in (table / "results.md").read_text()
 
 
-def _parsed_compare(*argv: str):
-  """tools/compare.py imported with its flags parsed from `argv`; unparse them after."""
-  if str(REPO / "tools") not in sys.path:
-    sys.path.insert(0, str(REPO / "tools"))
-  import compare  # noqa: E402  (tools/compare.py)
-  from absl import flags
-
-  flags.FLAGS(["compare.py", *argv], known_only=True)
-  return compare, flags.FLAGS
-
-
-_GLUE_TASKS = ("local_glue_sst2", "local_glue_rte")
-
-
-class _FakeRunner:
-  """Records each run's arguments and writes the metrics its model directory would hold."""
-
-  def __init__(self, table_dir: Path):
-    self.table_dir, self.calls = str(table_dir), []
-
-  def run(self, args: list[str], log_path: str) -> float:
-    self.calls.append(args)
-    model_dir = next(a.split("=", 1)[1] for a in args if a.startswith("--gin.MODEL_DIR="))
-    seed = sum(int(b[-1]) for b in args if b.startswith("--gin_bindings=RANDOM_SEED"))
-    os.makedirs(model_dir)
-    records = [{"split": "eval", "loss": 5.0 + seed}]
-    records += [{"split": "eval", f"{t}/accuracy": 60.0 + 4 * seed} for t in _GLUE_TASKS]
-    Path(model_dir, "metrics.jsonl").write_text("\n".join(map(json.dumps, records)) + "\n")
-    return 10.0
+def _fake_runs(table_dir: Path, row: int, *args: str) -> dict:
+  """tests/compare_fake_runs.py: one row of a table run by a fake runner (the runs'
+  arguments, the seeds' rows, the row and its table)."""
+  command = [sys.executable, str(REPO / "tests/compare_fake_runs.py"), str(table_dir), str(row)]
+  result = subprocess.run([*command, *args], cwd=REPO, capture_output=True, text=True, timeout=300)
+  assert result.returncode == 0, result.stderr[-3000:]
+  return json.loads(result.stdout.strip().splitlines()[-1])
 
 
 @pytest.mark.parametrize("seeds", [1, 3])
-def test_seeds_run_each_row_in_its_own_directory_with_its_seed(tmp_path, monkeypatch, seeds):
-  compare, parsed = _parsed_compare("--table=objectives", f"--seeds={seeds}")
-  try:
-    monkeypatch.setattr(compare, "_model_info", lambda *_: {"params": 1, "flops_per_token": 2.0})
-    runner = _FakeRunner(tmp_path)
-    variant = compare.variants("objectives")[0]
-    runs = [compare.run_variant(runner, variant, "objectives", s) for s in range(seeds)]
-    row = compare.seeds_row(runs)
-    table = compare.markdown([row], "objectives")
-  finally:
-    parsed.unparse_flags()
+def test_seeds_run_each_row_in_its_own_directory_with_its_seed(tmp_path, seeds):
+  out = _fake_runs(tmp_path, 0, "--table=objectives", f"--seeds={seeds}")
+  runs, row, table = out["runs"], out["row"], out["table"]
+  assert out["variant"] == "span_corruption"
   # Three runs per seed (pre-training, SST-2, RTE); seed 0 in the row's own directory,
   # which a one-seed table has always used, seed k in <row>_s<k>.
-  assert len(runner.calls) == 3 * seeds
-  for i, args in enumerate(runner.calls):
+  assert len(out["calls"]) == 3 * seeds
+  for i, args in enumerate(out["calls"]):
     seed, directory = i // 3, "span_corruption" + (f"_s{i // 3}" if i >= 3 else "")
     model_dir = next(a for a in args if a.startswith("--gin.MODEL_DIR="))
     assert model_dir.startswith(f"--gin.MODEL_DIR={tmp_path}/{directory}/")
@@ -223,23 +194,17 @@ def test_no_seeds_is_one_error_line_for_every_table(tmp_path):
   assert result.stderr.strip().splitlines()[-1] == "ERROR: --seeds=0: must be at least 1"
 
 
-def test_the_no_pretraining_row_fine_tunes_random_weights(tmp_path, monkeypatch):
-  compare, parsed = _parsed_compare("--table=objectives", "--seeds=2")
-  try:
-    infos = []
-    monkeypatch.setattr(
-      compare, "_model_info", lambda v, d: infos.append(d) or {"params": 1, "flops_per_token": None}
-    )
-    runner = _FakeRunner(tmp_path)
-    assert compare.variants("objectives")[-1] == compare.NO_PRETRAINING
-    runs = [compare.run_variant(runner, compare.NO_PRETRAINING, "objectives", s) for s in (0, 1)]
-    table = compare.markdown([compare.seeds_row(runs)], "objectives")
-  finally:
-    parsed.unparse_flags()
+def test_the_no_pretraining_row_fine_tunes_random_weights(tmp_path):
+  out = _fake_runs(tmp_path, -1, "--table=objectives", "--seeds=2")
+  assert out["variant"] == out["last_variant"] == "no pre-training"  # the table's last row
   # No pre-training run: SST-2 and RTE per seed, each from random weights.
-  assert len(runner.calls) == 4
-  for args in runner.calls:
+  assert len(out["calls"]) == 4
+  for args in out["calls"]:
     assert "--gin.INITIAL_CHECKPOINT_PATH=None" in args and "--gin_file=runs/finetune.gin" in args
-  assert infos == [f"{tmp_path}/no_pre_training/sst2", f"{tmp_path}/no_pre_training_s1/sst2"]
-  assert runs[0]["pretrain_steps"] == 0 and runs[0]["pretrain_validation_loss"] is None
-  assert "| no pre-training | - | 1 | - | - | 62.0 ± 2.0 (60.0, 64.0) |" in table
+  assert out["model_info_dirs"] == [
+    f"{tmp_path}/no_pre_training/sst2",
+    f"{tmp_path}/no_pre_training_s1/sst2",
+  ]
+  first = out["runs"][0]
+  assert first["pretrain_steps"] == 0 and first["pretrain_validation_loss"] is None
+  assert "| no pre-training | - | 1 | - | - | 62.0 ± 2.0 (60.0, 64.0) |" in out["table"]
