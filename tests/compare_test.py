@@ -182,6 +182,7 @@ def test_seeds_run_each_row_in_its_own_directory_with_its_seed(tmp_path, seeds):
     return
   # Accuracies 60, 64, 68: mean 64, standard error 4 / sqrt(3) = 2.3.
   assert row["sst2_accuracy"] == pytest.approx(64.0) and row["seeds"] == runs
+  assert [r["seed"] for r in runs] == [0, 1, 2] and "seed" not in row
   assert row["sst2_accuracy_se"] == pytest.approx(4 / 3**0.5)
   assert row["pretrain_validation_loss"] == pytest.approx(6.0)
   assert "| 64.0 ± 2.3 (60.0, 64.0, 68.0) | 64.0 ± 2.3 (60.0, 64.0, 68.0) |" in table

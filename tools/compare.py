@@ -269,7 +269,7 @@ def seeds_row(runs: Sequence[dict]) -> dict:
   of every figure, the standard error of the accuracies and each seed's row ('seeds')."""
   if len(runs) == 1:
     return dict(runs[0])
-  row = dict(runs[0])
+  row = {k: v for k, v in runs[0].items() if k != "seed"}
   for key in ("pretrain_seconds", "pretrain_validation_loss", "sst2_seconds", "rte_seconds"):
     values = [r[key] for r in runs]
     row[key] = None if None in values else statistics.fmean(values)
