@@ -19,6 +19,14 @@ os.environ.setdefault("T5X_LITE_CACHE", os.path.join(tempfile.gettempdir(), "t5x
 os.environ.setdefault(
   "JAX_COMPILATION_CACHE_DIR", os.path.join(os.environ["T5X_LITE_CACHE"], "jax_compilation_cache")
 )
+# Every program, not only those over JAX's default 1 s of compile time: most of the
+# suite's programs are tiny and compile in well under a second, and a test builds new
+# jitted functions (a new Trainer, a new model) for programs that earlier tests compiled
+# already. Caching them all took a cold run of the model, network, kernels, trainer and
+# decoder-only tests 7% less time (2 workers); a cache hit loads the executable the
+# compiler produced for the identical program, so nothing a test checks changes.
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 
 @pytest.fixture
