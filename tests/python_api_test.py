@@ -211,7 +211,7 @@ def test_the_docs_page_runs(tmp_path):
   root = tmp_path / "t5x_lite"
   shutil.copytree(REPO, root, ignore=_not_copied)
   (root / "runs").mkdir()
-  env = _user_env(tmp_path / "jax_compilation_cache")
+  env = _user_env()
   train = "python -m t5x_lite.train"
   quickstart = f"{train} --gin_file=quickstart.gin {SHORTENING[train]}"
   result = subprocess.run(

@@ -267,23 +267,26 @@ def _not_copied(directory: str, names: list[str]) -> set[str]:
   return skipped
 
 
-def _user_env(compilation_cache: Path) -> dict[str, str]:
+def _user_env() -> dict[str, str]:
   """A user's environment: the test's interpreter first on PATH, one CPU device.
 
-  Two additions, neither of which changes what the commands do or print: JAX's
-  persistent compilation cache in `compilation_cache`, so the many commands that
-  compile the same tiny programs compile each once (a cache hit loads the executable
-  the compiler produced for the identical program), and the suite's fast-compiling
-  XLA flag (`xla_flags.FAST_COMPILE`).
+  Two additions, neither of which changes what the commands do or print: the suite's
+  JAX persistent compilation cache (`tests/conftest.py`, every program cached), so the
+  many commands that compile the same tiny programs compile each once per machine (a
+  cache hit loads the executable the compiler produced for the identical program), and
+  the suite's fast-compiling XLA flag (`xla_flags.FAST_COMPILE`).
   """
   env = {
     k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS", "PYTHONPATH")
   }
   env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
   env["XLA_FLAGS"] = xla_flags()
-  env["JAX_COMPILATION_CACHE_DIR"] = str(compilation_cache)
-  env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
-  env["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
+  for name in (
+    "JAX_COMPILATION_CACHE_DIR",
+    "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS",
+    "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES",
+  ):
+    assert env.get(name), f"{name} is set by tests/conftest.py"
   return env
 
 
@@ -397,7 +400,7 @@ def test_readme_commands_run_as_written(tmp_path, half):
   (root / "runs").mkdir()  # what the quickstart leaves; gin includes must not see it
   _sst2_fixture(tmp_path / "shared" / "data")
   steps = _half(all_steps()[0], half)
-  env = _user_env(tmp_path / "jax_compilation_cache")
+  env = _user_env()
   for step in steps:
     if step.file:
       path = root / step.file
