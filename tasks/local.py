@@ -13,6 +13,8 @@ to the working directory. docs/new_task.md shows how to register your own.
   local_unlabeled_span_corruption         t5x_lite.data.unlabeled_text (the input side of the
                                           files above, CPython's docs), span-corrupted: the
                                           transfer recipe's pre-training task
+  local_unlabeled_electra                 the same text, uncorrupted, as inputs and targets:
+                                          ELECTRA-style pre-training (recipes/pretrain_electra.gin)
   local_multitask        the four fine-tuning tasks above (SST-2, RTE, Multi30k, SciTLDR)
   local_multitask_without_<glue_sst2|glue_rte|multi30k_ende|scitldr_a>
                          leave-one-out: local_multitask minus that task
@@ -131,6 +133,15 @@ seqio.TaskRegistry.add(
   "local_unlabeled_span_corruption",
   source=unlabeled_text.UnlabeledTextSource(),
   preprocessors=objectives.unsupervised_preprocessors("span_corruption"),
+  output_features=preprocessors.text_to_text_features(),
+  metric_fns=[],
+)
+
+# ELECTRA-style pre-training reads the same text whole; its model masks in the train step.
+seqio.TaskRegistry.add(
+  "local_unlabeled_electra",
+  source=unlabeled_text.UnlabeledTextSource(),
+  preprocessors=[objectives.text_as_targets, seqio.preprocessors.tokenize, objectives.electra_text],
   output_features=preprocessors.text_to_text_features(),
   metric_fns=[],
 )

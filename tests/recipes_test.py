@@ -165,6 +165,14 @@ MULTI30K_SCRATCH_COMMAND = (
   "python -m t5x_lite.train --gin_file=recipes/multi30k.gin --data_dir=../shared/data" + SCRATCH
 )
 NEW_TASK_COMMAND = "python -m t5x_lite.train --gin_file=my_task.gin --data_dir=my_data"
+PRETRAIN_ELECTRA_COMMAND = (
+  "python -m t5x_lite.train --gin_file=recipes/pretrain_electra.gin --data_dir=../shared/data"
+)
+RTE_FROM_ELECTRA_COMMAND = (
+  "python -m t5x_lite.train --gin_file=recipes/rte.gin --data_dir=../shared/data"
+  " --gin.INITIAL_CHECKPOINT_PATH=./runs/recipes/pretrained_electra"
+  " --gin.MODEL_DIR=./runs/recipes/rte_electra"
+)
 # A run of two steps warms up over one.
 _FEW_STEPS = " --gin.TRAIN_STEPS=2 --gin.WARMUP_STEPS=1"
 # A vocabulary the tiny files can fill, and a tiny model (the same for every run).
@@ -235,9 +243,55 @@ def _records(path: Path) -> list[dict]:
 
 def test_docs_give_the_commands_this_test_runs():
   page = " ".join((REPO / "docs/recipes.md").read_text().replace("\\\n", " ").split())
-  for command in (PRETRAIN_COMMAND, SST2_COMMAND, MULTI30K_SCRATCH_COMMAND, NEW_TASK_COMMAND):
+  for command in (
+    PRETRAIN_COMMAND,
+    SST2_COMMAND,
+    MULTI30K_SCRATCH_COMMAND,
+    NEW_TASK_COMMAND,
+    PRETRAIN_ELECTRA_COMMAND,
+    RTE_FROM_ELECTRA_COMMAND,
+  ):
     assert command in page, command
   assert _MY_TASK_GIN.strip() in (REPO / "docs/recipes.md").read_text()
+
+
+class _SizedVocabulary:
+  """What the models' FLOP counts read of a vocabulary."""
+
+  eos_id = 1
+
+  def __init__(self, vocab_size: int):
+    self.vocab_size = vocab_size
+
+
+def _recipe_step_flops(gin_file: str) -> tuple[float, int]:
+  """(training FLOPs of one step, TRAIN_STEPS) of a pre-training recipe, as it is bound."""
+  import gin
+
+  import t5x_lite.run.train_lib  # noqa: F401  (the configurables the recipes bind)
+  from t5x_lite import electra
+  from t5x_lite.core import gin_config
+
+  gin.clear_config()
+  try:
+    gin_config.parse_gin([gin_file], [])
+    config = network.T5Config()
+    vocabulary = _SizedVocabulary(config.vocab_size)
+    is_electra = gin.query_parameter("%MIXTURE_OR_TASK_NAME") == "local_unlabeled_electra"
+    model = (electra.build_electra_model if is_electra else models.build_model)(config, vocabulary)
+    lengths = gin.query_parameter("%TASK_FEATURE_LENGTHS")
+    batch = gin.query_parameter("%BATCH_SIZE")
+    flops = model.train_flops_per_step(batch, lengths["inputs"], lengths["targets"])
+    return flops, gin.query_parameter("%TRAIN_STEPS")
+  finally:
+    gin.clear_config()
+
+
+def test_the_electra_recipe_pretrains_for_the_span_corruption_recipes_flops():
+  span_flops, span_steps = _recipe_step_flops("recipes/pretrain.gin")
+  electra_flops, electra_steps = _recipe_step_flops("recipes/pretrain_electra.gin")
+  assert electra_flops > span_flops  # the generator and the longer targets
+  assert electra_steps == round(span_steps * span_flops / electra_flops)
 
 
 @pytest.mark.slow
@@ -264,6 +318,11 @@ def test_recipes_pretrain_then_train_each_kind_of_task(tmp_path):
   assert all("elapsed_s" in r and "tokens_seen" in r for r in evals)
   best = json.loads((work / "runs/recipes/sst2/best.json").read_text())
   assert best["metric"] == "local_glue_sst2/accuracy" and best["best_step"] in (1, 2)
+  # ELECTRA-style pre-training, and a task fine-tuned from it without its generator.
+  _run(PRETRAIN_ELECTRA_COMMAND + _TINY + _FEW_STEPS, work, cache)
+  output = _run(RTE_FROM_ELECTRA_COMMAND + _TINY + _FEW_STEPS, work, cache)
+  assert "Fine-tuning from ./runs/recipes/pretrained_electra (params)" in output
+  assert re.search(r"Pre-training-only params of checkpoint \S+ dropped .*generator/", output)
   # From scratch: the test split is translated with beam search at the end.
   _run(MULTI30K_SCRATCH_COMMAND + _TINY + _FEW_STEPS + " --gin.EVAL_PERIOD=2", work, cache)
   final = json.loads((work / "runs/recipes/multi30k_scratch/final_metrics.json").read_text())
