@@ -103,7 +103,7 @@ def test_expected_registrations():
   )
   assert {"quickstart", "glue_v2"} <= set(seqio.MixtureRegistry.names())
   assert len(seqio.MixtureRegistry.get("glue_v2").tasks) == 9
-  assert len(LOCAL_TASKS) == 7
+  assert len(LOCAL_TASKS) == 8
 
 
 @pytest.mark.parametrize("name", TFDS_TASKS)
