@@ -170,7 +170,7 @@ def test_a_run_on_busy_cores_keeps_the_machines_best_measured_peak(tmp_path, mon
   for measured in (7e14, 2e14):
     _on(monkeypatch, "gpu", "NVIDIA H100 80GB HBM3", measured)
     peaks = throughput.device_peak_flops(dtype="bfloat16")
-    assert (peaks.flops, peaks.measured_flops) == (989e12, 7e14)  # the first GPU run
+    assert (peaks.flops, peaks.measured_flops) == (989e12, 7e14)  # the faster, first run's
   _on(monkeypatch, "cpu", "cpu", 3.3e11)
   assert throughput.device_peak_flops().flops == 3.3e11  # not the GPU's
   assert len(list(tmp_path.glob("measured_matmul_flops.json"))) == 1

@@ -282,10 +282,8 @@ def best_measured_flops(measured: float, what: str) -> tuple[float, str]:
     run's measurement is the best).
   """
   path = os.path.join(cache.cache_dir(), "measured_matmul_flops.json")
-  key = "|".join(
-    (what, cpu_identity(), str(jax.local_device_count()), os.environ.get("XLA_FLAGS", ""))
-  )
-  key += "|" + jax.__version__
+  devices, xla_flags = str(jax.local_device_count()), os.environ.get("XLA_FLAGS", "")
+  key = "|".join((what, cpu_identity(), devices, xla_flags, jax.__version__))
   with cache.file_lock(path + ".lock"):
     try:
       with open(path, encoding="utf-8") as f:
