@@ -8,6 +8,7 @@ serialize on a lock file next to it, and each file appears atomically.
 
 import contextlib
 import fcntl
+import json
 import os
 import tempfile
 from collections.abc import Callable, Iterator
@@ -80,3 +81,19 @@ def build_once(path: str, build: Callable[[], bytes]) -> str:
     if not os.path.exists(path):
       atomic_write(path, build())
   return path
+
+
+@contextlib.contextmanager
+def locked_json(path: str) -> Iterator[dict]:
+  """The JSON object in `path` ({} where it is missing or unreadable), held under
+  `path + '.lock'` for the block; written back atomically if the block changed it."""
+  with file_lock(path + ".lock"):
+    try:
+      with open(path, encoding="utf-8") as f:
+        known = json.load(f)
+    except (OSError, ValueError):
+      known = {}
+    before = dict(known)
+    yield known
+    if known != before:
+      atomic_write(path, json.dumps(known, indent=1).encode())

@@ -23,7 +23,6 @@ the network's matmuls, no rematerialisation). Two peaks (`device_peak_flops`):
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import statistics
 import time
@@ -122,12 +121,7 @@ def cached_cpu_bfloat16_speedup(
   dtype) and logged where it is measured."""
   path = os.path.join(cache.cache_dir(), "cpu_bfloat16_speedup.json")
   key = "|".join((cpu_identity(), ",".join(sorted(flags & NATIVE_BF16_CPU_FLAGS)), jax.__version__))
-  with cache.file_lock(path + ".lock"):
-    try:
-      with open(path, encoding="utf-8") as f:
-        known = json.load(f)
-    except (OSError, ValueError):
-      known = {}
+  with cache.locked_json(path) as known:
     if key not in known:
       known[key] = measure()
       logging.info(
@@ -136,7 +130,6 @@ def cached_cpu_bfloat16_speedup(
         key,
         path,
       )
-      cache.atomic_write(path, json.dumps(known, indent=1).encode())
   return float(known[key])
 
 
@@ -284,17 +277,10 @@ def best_measured_flops(measured: float, what: str) -> tuple[float, str]:
   path = os.path.join(cache.cache_dir(), "measured_matmul_flops.json")
   devices, xla_flags = str(jax.local_device_count()), os.environ.get("XLA_FLAGS", "")
   key = "|".join((what, cpu_identity(), devices, xla_flags, jax.__version__))
-  with cache.file_lock(path + ".lock"):
-    try:
-      with open(path, encoding="utf-8") as f:
-        known = json.load(f)
-    except (OSError, ValueError):
-      known = {}
-    best = float(known.get(key, 0.0))
-    if measured >= best:
-      known[key] = measured
-      cache.atomic_write(path, json.dumps(known, indent=1).encode())
-      return measured, what
+  with cache.locked_json(path) as known:
+    best = known[key] = max(measured, float(known.get(key, 0.0)))
+  if measured >= best:
+    return measured, what
   if measured < BUSY_FRACTION * best:
     logging.warning(
       "The %s reached %.3g FLOP/s, %.0f%% of this machine's best (%.3g, kept in %s): "
