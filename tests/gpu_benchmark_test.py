@@ -32,7 +32,7 @@ def test_the_gpu_plan_measures_small_and_base_at_two_batches_mostly_beside_hf():
   shapes = {
     name: (_flag(run, "gin_file"), int(_flag(run, "batch_size"))) for name, run in plan.items()
   }
-  assert {shapes[n] for n in plan if not n.endswith(("defaults", "chunk57"))} == {
+  assert set(shapes.values()) == {
     ("models/t5_1_1/small.gin", 64),
     ("models/t5_1_1/small.gin", 128),
     ("models/t5_1_1/base.gin", 32),
@@ -41,14 +41,17 @@ def test_the_gpu_plan_measures_small_and_base_at_two_batches_mostly_beside_hf():
   with_hf = {shapes[n] for n, run in plan.items() if "--compare_hf" in run.flags}
   assert ("models/t5_1_1/base.gin", 128) not in with_hf and len(with_hf) == 3
   for run in plan.values():
-    assert _flag(run, "kernels") == "xla_gpu,reference"
+    assert len([f for f in run.flags if f.startswith("--kernels=")]) == 1
+    expected = "xla_gpu,reference" if run.name == "base_b128" else "xla_gpu"
+    assert _flag(run, "kernels") == expected
     assert _flag(run, "dtype") == "bfloat16" and _flag(run, "matmul_size") == "8192"
     assert (_flag(run, "input_length"), _flag(run, "target_length")) == ("512", "114")
-  assert [n for n, run in plan.items() if run.profile] == ["base_b128"]
+  assert [n for n, run in plan.items() if run.profile] == ["base_b128_profile"]
+  assert plan["base_b128_profile"].xla_flags == "--xla_gpu_enable_command_buffer="
   assert [n for n, run in plan.items() if "decode" not in _flag(run, "skip")] == ["small_b64"]
   assert plan["base_b128_xla_defaults"].xla_flags == " ".join(console.GPU_XLA_DEFAULTS)
   assert _flag(plan["base_b128_loss_chunk57"], "loss_chunk_length") == "57"
-  assert list(plan)[0] == "base_b128"  # the most important run first
+  assert list(plan)[:2] == ["base_b128", "base_b128_profile"]  # the most important first
 
 
 def test_compile_jobs_split_the_kernel_sets_and_drop_hf(tmp_path):
@@ -59,10 +62,11 @@ def test_compile_jobs_split_the_kernel_sets_and_drop_hf(tmp_path):
   command = ctx.command(jobs[1][1], compile_only=True)
   assert "--kernels=reference" in command and "--compile_only" in command
   assert "--compare_hf" not in command and not any("profile_dir" in c for c in command)
-  measured = ctx.command(run, compile_only=False)
-  assert f"--profile_dir={tmp_path}/work/profile/base_b128" in measured
+  profiled = gpu_benchmark.gpu_plan()[1]
+  measured = ctx.command(profiled, compile_only=False)
+  assert f"--profile_dir={tmp_path}/work/profile/base_b128_profile" in measured
   assert f"--profile_steps={gpu_benchmark.PROFILE_STEPS}" in measured
-  hf_run = gpu_benchmark.gpu_plan()[1]
+  hf_run = gpu_benchmark.gpu_plan()[2]
   assert "--compare_hf" in ctx.command(hf_run, compile_only=False)
   assert "--compare_hf" not in ctx.command(hf_run, compile_only=True)
   env = ctx.env(dataclasses.replace(run, xla_flags="--xla_a=1"))
@@ -109,13 +113,13 @@ def test_a_failed_run_of_two_kernel_sets_runs_again_with_the_reference_alone(mon
     return {"status": status, "seconds": 1.0, "last_lines": ["Error: cuDNN"]}
 
   monkeypatch.setattr(gpu_benchmark, "execute", execute)
-  plan = gpu_benchmark.gpu_plan()[:2]
+  plan = [gpu_benchmark.gpu_plan()[i] for i in (0, 2)]
   ctx = gpu_benchmark.Context("out", "work", "python3", 1e12, None)
   results = gpu_benchmark.measure_all(ctx, plan)
   assert ran == [
     ("base_b128", "xla_gpu,reference"),
     ("base_b128.reference", "reference"),
-    ("small_b64", "xla_gpu,reference"),
+    ("small_b64", "xla_gpu"),
   ]
   assert (
     results["base_b128"]["fallback"]["status"] == "ok" and "fallback" not in results["small_b64"]
@@ -123,8 +127,9 @@ def test_a_failed_run_of_two_kernel_sets_runs_again_with_the_reference_alone(mon
   assert "\n  its last kernel set alone [ok, 1 s]" in gpu_benchmark.run_line(
     "base_b128", results["base_b128"], {}
   )
-  profiled = ctx.command(gpu_benchmark.single_kernel_runs(plan[0])[1], compile_only=False)
-  assert "--profile_dir=work/profile/base_b128" in profiled  # beside the full run's
+  both = gpu_benchmark.with_kernels(gpu_benchmark.gpu_plan()[1], "xla_gpu,reference")
+  profiled = ctx.command(gpu_benchmark.single_kernel_runs(both)[1], compile_only=False)
+  assert "--profile_dir=work/profile/base_b128_profile" in profiled  # beside the full run's
 
 
 def test_a_python_without_gin_is_one_error_line(tmp_path):
@@ -188,3 +193,23 @@ def test_dry_run_goes_through_the_whole_script_on_the_cpu(tmp_path):
   assert "profile tiny_b2/xla_gpu, top ops by time:" in summary
   assert summary.startswith("tiny_b2 [ok, ")
   assert "===== tiny_b2 (measure): ok" in (out / "gpu_benchmark.log").read_text()
+
+
+def test_kernels_replace_every_runs_sets_and_zero_workers_skip_the_compile_phase(monkeypatch):
+  run = gpu_benchmark.with_kernels(gpu_benchmark.gpu_plan()[0], "xla_gpu")
+  assert _flag(run, "kernels") == "xla_gpu" and run.name == "base_b128"
+  assert [job.name for _, job in gpu_benchmark.compile_jobs([run])] == ["base_b128.xla_gpu"]
+  monkeypatch.setattr(gpu_benchmark, "execute", lambda *a: pytest.fail("compiled"))
+  ctx = gpu_benchmark.Context("out", "work", "python3", 1e12, None)
+  assert gpu_benchmark.compile_all(ctx, [run], share=0.5, workers=0) == {"base_b128": {}}
+
+
+def test_an_unknown_kernel_set_is_one_error_line(tmp_path):
+  result = subprocess.run(
+    [sys.executable, str(REPO / "tools" / "gpu_benchmark.py"), str(tmp_path), "--kernels=cuda"],
+    capture_output=True,
+    text=True,
+    timeout=120,
+  )
+  assert result.returncode == 1 and result.stderr.startswith("ERROR: --kernels=cuda: no kernel")
+  assert len(result.stderr.splitlines()) == 1

@@ -54,7 +54,8 @@ NOT_WALKED = {
   "docs/recipes.md": "hour-long trainings on the real data: tests/recipes_test.py runs its "
   "commands on tiny files with a tiny model",
   "docs/performance.md": "benchmark runs of minutes each: tests/benchmark_test.py runs "
-  "tools/benchmark.py tiny, tests/gpu_benchmark_test.py tools/gpu_benchmark.sh --dry_run",
+  "tools/benchmark.py tiny, tests/gpu_benchmark_test.py tools/gpu_benchmark.sh --dry_run, "
+  "tests/attention_benchmark_test.py tools/attention_benchmark.py",
 }
 # The two halves, one per pytest-xdist worker, of similar time (docs/training.md alone
 # holds about twenty training commands): the second starts with the README's quickstart

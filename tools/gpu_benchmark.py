@@ -7,20 +7,25 @@ package versions and the GPU), summary.txt (one line per run, then the top ops b
 time of each profiled kernel set, from tools/profile_summary.py) and gpu_benchmark.log
 (everything the runs printed). What the plan measures, most important first:
 
-* small at batch 64 and 128, base at batch 32 and 128 (inputs 512, targets 114, the
-  shapes of docs/performance.md's earlier H100 rows), each with 'xla_gpu' and
-  'reference', and HF transformers (PyTorch) beside them except for base at batch 128
-  (as in those rows: HF's activations there would share the GPU's memory with the
-  memory JAX keeps); small at batch 64 also decodes (greedy and beam-4, 64 new
-  tokens); base at batch 128 is also profiled (`jax.profiler`, 3 steps per kernel set);
+* base at batch 128 (inputs 512, targets 114, the shapes of docs/performance.md's
+  GPU rows) with 'xla_gpu' and 'reference' (the kernel sets' A/B at the best batch);
+* base at batch 128 profiled (`jax.profiler`, 3 steps) with 'xla_gpu' and without
+  command buffers (`NO_COMMAND_BUFFERS`: the profiler shows a CUDA graph as one op);
+* small at batch 64 and 128 and base at batch 32 with 'xla_gpu' and HF transformers
+  (PyTorch) beside them (not beside base at batch 128, as in those rows: HF's
+  activations there would share the GPU's memory with the memory JAX keeps); small at
+  batch 64 also decodes (greedy and beam-4, 64 new tokens);
 * base at batch 128 with XLA's own values of `console.GPU_XLA_FLAGS`' options
   (`console.GPU_XLA_DEFAULTS` in XLA_FLAGS), the other runs having ours;
 * base at batch 128 with the chunked loss (`EncoderDecoderModel.loss_chunk_length`).
 
+--kernels replaces every run's kernel sets; --only keeps some runs.
+
 Compiling a T5 train step for a GPU takes longer than timing it (docs/performance.md),
 so a first phase compiles every run's programs, one process per run and kernel set
-(`benchmark.py --compile_only`), two at a time (`COMPILE_WORKERS`), into JAX's
-persistent compilation cache in the work folder, within 40% of the budget; the timed
+(`benchmark.py --compile_only`), `COMPILE_WORKERS` at a time (--compile_workers; 0: no
+such phase), into JAX's persistent compilation cache in the work folder, within half
+of the budget; the timed
 runs then follow one at a time and load their programs from it (each run's
 `compile_cache_hits` says how many). A run that does not finish in the time left is
 stopped and recorded as such; one that fails runs again with its last kernel set alone
@@ -63,9 +68,14 @@ RESERVE_S = 20.0
 # Train steps traced per kernel set of a profiled run.
 PROFILE_STEPS = 3
 # Compile processes at a time. One per CPU, all at once, finished none within the
-# compile phase on a GPU machine (docs/performance.md); two at a time, in plan order,
-# compile the first runs' programs, which the timed runs then load.
-COMPILE_WORKERS = 2
+# compile phase on a GPU machine; three at a time each took about as long as one alone
+# (docs/performance.md).
+COMPILE_WORKERS = 4
+# Share of the budget for the compile phase.
+COMPILE_SHARE = 0.5
+# XLA_FLAGS of the profiled run: no command buffers, whose CUDA graphs the profiler
+# shows as one op (every kernel of the step under `command_buffer_1`).
+NO_COMMAND_BUFFERS = "--xla_gpu_enable_command_buffer="
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,11 +103,14 @@ def xla_defaults() -> str:
 
 
 def _flags(gin: str, batch: int, *extra: str, common: Sequence[str]) -> tuple[str, ...]:
-  return (f"--gin_file={gin}", f"--batch_size={batch}", *common, *extra)
+  """The run's flags: `common` less those that `extra` sets again, then `extra`."""
+  overridden = {flag.split("=", 1)[0] for flag in extra}
+  kept = [flag for flag in common if flag.split("=", 1)[0] not in overridden]
+  return (f"--gin_file={gin}", f"--batch_size={batch}", *kept, *extra)
 
 
 def gpu_plan() -> list[Run]:
-  """The H100 plan of the module docstring, most important first."""
+  """The H100/H200 plan of the module docstring, most important first."""
   common = (
     "--dtype=bfloat16",
     "--input_length=512",
@@ -108,12 +121,18 @@ def gpu_plan() -> list[Run]:
     "--warmup=2",
     "--settle=1",
     "--matmul_size=8192",
-    "--kernels=xla_gpu,reference",
+    "--kernels=xla_gpu",
   )
   small, base = "models/t5_1_1/small.gin", "models/t5_1_1/base.gin"
   no_decode = ("--skip=data,decode",)
   return [
-    Run("base_b128", _flags(base, 128, *no_decode, common=common), profile=True),
+    Run("base_b128", _flags(base, 128, *no_decode, "--kernels=xla_gpu,reference", common=common)),
+    Run(
+      "base_b128_profile",
+      _flags(base, 128, *no_decode, "--reps=1", "--warmup=1", common=common),
+      NO_COMMAND_BUFFERS,
+      profile=True,
+    ),
     Run("small_b64", _flags(small, 64, "--compare_hf", "--skip=data", common=common)),
     Run("base_b32", _flags(base, 32, "--compare_hf", *no_decode, common=common)),
     Run("small_b128", _flags(small, 128, "--compare_hf", *no_decode, common=common)),
@@ -131,7 +150,8 @@ def gpu_plan() -> list[Run]:
 
 def dry_run_plan() -> list[Run]:
   """The script's paths at tiny sizes on the CPU, in two runs: one with HF, decoding and
-  the profile; one at another batch with XLA's own GPU options and the chunked loss."""
+  the profile (its XLA_FLAGS without command buffers); one at another batch with XLA's
+  own GPU options and the chunked loss."""
   common = (
     "--dtype=bfloat16",
     "--input_length=32",
@@ -146,7 +166,12 @@ def dry_run_plan() -> list[Run]:
   )
   tiny = "models/t5_1_1/tiny.gin"
   return [
-    Run("tiny_b2", _flags(tiny, 2, "--compare_hf", "--skip=data", common=common), profile=True),
+    Run(
+      "tiny_b2",
+      _flags(tiny, 2, "--compare_hf", "--skip=data", common=common),
+      NO_COMMAND_BUFFERS,
+      profile=True,
+    ),
     Run(
       "tiny_b4_xla_defaults_loss_chunk4",
       _flags(tiny, 4, "--loss_chunk_length=4", "--skip=data,decode", common=common),
@@ -249,12 +274,23 @@ def execute(ctx: Context, run: Run, compile_only: bool, deadline: float) -> dict
   return result
 
 
-def compile_all(ctx: Context, plan: Sequence[Run], share: float) -> dict[str, Any]:
-  """Phase 1: every run's programs compiled, `COMPILE_WORKERS` processes at a time in
-  plan order, within `share` of the time left; per run, how its jobs ended."""
+def with_kernels(run: Run, kernels: str) -> Run:
+  """`run` with its --kernels replaced by `kernels` (comma-separated kernel sets)."""
+  flags = tuple(f"--kernels={kernels}" if f.startswith("--kernels=") else f for f in run.flags)
+  return dataclasses.replace(run, flags=flags)
+
+
+def compile_all(
+  ctx: Context, plan: Sequence[Run], share: float, workers: int = COMPILE_WORKERS
+) -> dict[str, Any]:
+  """Phase 1: every run's programs compiled, `workers` processes at a time in plan
+  order, within `share` of the time left; per run, how its jobs ended (none with
+  workers=0: each timed run then compiles its own)."""
+  if workers <= 0:
+    return {run.name: {} for run in plan}
   deadline = time.time() + (ctx.deadline - time.time()) * share
   jobs = compile_jobs(plan)
-  workers = max(1, min(len(jobs), COMPILE_WORKERS, len(os.sched_getaffinity(0))))
+  workers = max(1, min(len(jobs), workers, len(os.sched_getaffinity(0))))
   with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
     futures = [(run, job, pool.submit(execute, ctx, job, True, deadline)) for run, job in jobs]
   out: dict[str, Any] = {run.name: {} for run in plan}
@@ -378,6 +414,15 @@ def main(argv: Sequence[str]) -> int:
   parser.add_argument("--budget_s", type=float, default=None, help="seconds for everything")
   parser.add_argument("--work_dir", default=None, help="caches, traces (default: a temp dir)")
   parser.add_argument("--only", default="", help="comma-separated run names (default: all)")
+  parser.add_argument(
+    "--kernels", default="", help="kernel sets of every run, e.g. xla_gpu (default: the plan's)"
+  )
+  parser.add_argument(
+    "--compile_workers",
+    type=int,
+    default=COMPILE_WORKERS,
+    help="compile processes at a time in phase 1 (0: no compile phase)",
+  )
   args = parser.parse_args(argv)
   check = subprocess.run([sys.executable, "-c", "import gin, flax, optax"], capture_output=True)
   if check.returncode != 0:
@@ -399,12 +444,24 @@ def main(argv: Sequence[str]) -> int:
       )
       return 1
     plan = [run for run in plan if run.name in args.only.split(",")]
-  budget = args.budget_s or (300.0 if args.dry_run else 420.0)
+  if args.kernels:
+    from t5x_lite.kernels import registry  # imports jax: after the check above
+
+    for name in args.kernels.split(","):
+      if name not in registry.NAMES:
+        print(
+          f"ERROR: --kernels={args.kernels}: no kernel set named {name} "
+          f"(sets: {', '.join(registry.NAMES)})",
+          file=sys.stderr,
+        )
+        return 1
+    plan = [with_kernels(run, args.kernels) for run in plan]
+  budget = args.budget_s or (300.0 if args.dry_run else 450.0)
   os.makedirs(args.out_dir, exist_ok=True)
   work_dir = args.work_dir or tempfile.mkdtemp(prefix="gpu_benchmark_")
   with open(os.path.join(args.out_dir, "gpu_benchmark.log"), "w") as log:
     ctx = Context(args.out_dir, work_dir, sys.executable, time.time() + budget, log)
-    compiled = compile_all(ctx, plan, share=0.4)
+    compiled = compile_all(ctx, plan, share=COMPILE_SHARE, workers=args.compile_workers)
     measured = measure_all(ctx, plan)
     write_outputs(ctx, plan, compiled, measured)
   print(open(os.path.join(args.out_dir, "summary.txt")).read(), end="")

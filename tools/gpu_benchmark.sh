@@ -2,6 +2,7 @@
 # One prepared GPU benchmark (tools/gpu_benchmark.py): T5 1.1 small and base in bfloat16,
 # each kernel set beside HF PyTorch, a profile; three files in OUT_DIR.
 #   bash tools/gpu_benchmark.sh OUT_DIR [--dry_run] [--budget_s=S] [--only=RUN,...]
+#     [--kernels=SET,...] [--compile_workers=N]
 # Run from anywhere; PYTHON picks the interpreter (default python3). Wheels carried in
 # .whl/ (gin-config, which the GPU machines lack) are installed to /tmp/site first.
 set -euo pipefail

@@ -22,8 +22,8 @@ KERNELS: dict[str, Kernels] = {
   k.name: k for k in (reference.KERNELS, xla_cpu.KERNELS, xla_gpu.KERNELS)
 }
 # The set 'auto' picks per backend (`jax.default_backend()`); other backends: 'reference'.
-# 'gpu' stays 'reference' until 'xla_gpu' is measured there beyond one training shape
-# (docs/performance.md): its decoding has not run on a GPU yet.
+# 'gpu' stays 'reference' until 'xla_gpu''s decoded tokens are compared with the
+# reference's on a GPU (docs/performance.md: it trains faster in both shapes measured).
 AUTO: dict[str, str] = {'cpu': 'xla_cpu'}
 # The values `T5Config.kernels` accepts.
 NAMES: tuple[str, ...] = ('auto', *KERNELS)

@@ -1,9 +1,9 @@
 """Kernels for GPUs: T5's attention as one fused `jax.nn.dot_product_attention` call.
 
 Chosen by `T5Config.kernels='xla_gpu'`. 'auto' still picks 'reference' on a GPU
-(`registry.AUTO`): this set was faster in the one training shape measured on a GPU so
-far (docs/performance.md), and until more shapes and its decoding have run there, the
-plain math stays the default.
+(`registry.AUTO`): this set trains faster in both shapes measured on a GPU
+(docs/performance.md), but until its decoded tokens are compared with the reference's
+there, the plain math stays the default.
 Projections, RMSNorm and argmax are the reference's (cuBLAS and XLA's fusions take
 them as they are); what differs is attention:
 
