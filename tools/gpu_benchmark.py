@@ -25,9 +25,8 @@ Compiling a T5 train step for a GPU takes longer than timing it (docs/performanc
 so a first phase compiles every run's programs, one process per run and kernel set
 (`benchmark.py --compile_only`), `COMPILE_WORKERS` at a time (--compile_workers; 0: no
 such phase), into JAX's persistent compilation cache in the work folder, within half
-of the budget; the timed
-runs then follow one at a time and load their programs from it (each run's
-`compile_cache_hits` says how many). A run that does not finish in the time left is
+of the budget; the timed runs then follow one at a time and load their programs from
+it (each run's `compile_cache_hits` says how many). A run that does not finish in the time left is
 stopped and recorded as such; one that fails runs again with its last kernel set alone
 (`measure_all`); the files are always written.
 
