@@ -144,3 +144,17 @@ def test_the_tool_prints_one_error_line_without_a_trace(tmp_path):
     result.stderr
     == f"ERROR: no *.trace.json.gz under {tmp_path} (write one with jax.profiler.trace)\n"
   )
+
+
+def test_a_step_inside_command_buffers_says_how_to_see_its_ops(tmp_path):
+  events = [
+    _event(1, "command_buffer_1", 900.0, "r1", name="sm90_xmma_gemm") | {"tid": 7},
+    _event(1, "loop_fusion.7", 100.0, "r1") | {"tid": 7},
+  ]
+  trace = _gpu_trace(tmp_path, events, {7: "Stream #13(Compute)"})
+  text = profile_summary.format_summary(profile_summary.summarize(trace, runs=1))
+  assert text.splitlines()[-1].startswith("note: 90% of the op time is in command buffers")
+  assert "--xla_gpu_enable_command_buffer=" in text.splitlines()[-1]
+  events[0]["dur"] = 50.0  # a small graph: no note
+  trace = _gpu_trace(tmp_path, events, {7: "Stream #13(Compute)"})
+  assert "note" not in profile_summary.format_summary(profile_summary.summarize(trace, runs=1))

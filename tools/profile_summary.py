@@ -36,6 +36,10 @@ _BACKEND_KIND = re.compile(r'"kind":"(__[^"]+)"')
 _OP_NAME = re.compile(r'op_name="([^"]+)"')
 
 
+# The HLO name XLA:GPU gives a command buffer (a CUDA graph of many ops' kernels).
+COMMAND_BUFFER = "command_buffer"
+
+
 class ProfileError(ValueError):
   """No trace, or no XLA op in it: one line for the user."""
 
@@ -237,6 +241,13 @@ def format_summary(summary: Summary) -> str:
       f"{row.op[:28]:28} {row.kind[:22]:22} {row.where or row.event}"
     )
   lines.append("op time by kind: " + ", ".join(f"{k} {v:.1%}" for k, v in summary.kinds.items()))
+  graphs = sum(row.share for row in summary.rows if row.op.startswith(COMMAND_BUFFER))
+  if graphs >= 0.5:
+    lines.append(
+      f"note: {graphs:.0%} of the op time is in command buffers (CUDA graphs), whose kernels "
+      "all carry the buffer's name; profile with XLA_FLAGS=--xla_gpu_enable_command_buffer= "
+      "to see each op"
+    )
   return "\n".join(lines)
 
 
