@@ -209,3 +209,49 @@ def test_the_decode_caches_take_the_kernels_layout(kernels):
     assert layer["encoder_decoder_attention"]["cached_key"].shape == (2, 4, 8, 5)
   else:  # as the projections give them: [batch, length, heads, kv]
     assert layer["self_attention"]["cached_key"].shape == (2, 11, 4, 8)
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["unpacked", "packed"])
+def test_the_network_hands_padding_lengths_only_where_the_mask_is_padding(monkeypatch, packed):
+  """Encoder self-attention and cross-attention over unpacked rows get their lengths
+  (`base.PaddingLengths`, for kernels that take them in place of the mask); the causal
+  self-attention and packed rows (segment masks) never do."""
+  seen = []
+
+  def spy(query, key, value, biases, **kwargs):
+    padding = kwargs["padding"]
+    seen.append((query.shape[1], key.shape[1], None if padding is None else padding))
+    return reference.attention(query, key, value, biases, **kwargs)
+
+  monkeypatch.setitem(
+    registry.KERNELS, "xla_gpu", dataclasses.replace(xla_gpu.KERNELS, attention=spy)
+  )
+  rng = np.random.default_rng(0)
+  batch = _packed_batch(rng) if packed else _batch(rng)
+  model = _model(tiny_config(kernels="xla_gpu"))
+  params = nn.meta.unbox(model.init_params(jax.random.PRNGKey(0)))
+  seen.clear()
+  model.loss_fn(params, batch, None)
+  encoder_len, target_len = (
+    batch["encoder_input_tokens"].shape[1],
+    batch["decoder_target_tokens"].shape[1],
+  )
+  by_shape = {}
+  for q, k, padding in seen:
+    by_shape.setdefault((q, k), []).append(padding)
+  assert set(by_shape) == {
+    (encoder_len, encoder_len),
+    (target_len, target_len),
+    (target_len, encoder_len),
+  }
+  assert all(p is None for p in by_shape[(target_len, target_len)])  # causal
+  for shape in ((encoder_len, encoder_len), (target_len, encoder_len)):
+    for padding in by_shape[shape]:
+      if packed:
+        assert padding is None
+        continue
+      want_q = (
+        batch["decoder_target_tokens"] if shape[0] == target_len else batch["encoder_input_tokens"]
+      ) > 0
+      np.testing.assert_array_equal(padding.query, want_q.sum(1))
+      np.testing.assert_array_equal(padding.key, (batch["encoder_input_tokens"] > 0).sum(1))

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from t5x_lite.kernels import reference, xla_gpu
+from t5x_lite.kernels.base import PaddingLengths
 from t5x_lite.nn import attention as attention_lib
 from t5x_lite.nn import layers
 
@@ -136,9 +137,9 @@ def test_on_a_gpu_the_call_asks_for_cudnn_with_a_bias_in_the_query_dtype(monkeyp
   calls = []
   real = jax.nn.dot_product_attention
 
-  def record(query, key, value, bias=None, mask=None, *, scale=None, implementation=None):
-    calls.append(dict(implementation=implementation, bias=bias, scale=scale, mask=mask))
-    return real(query, key, value, bias=bias, scale=scale, implementation="xla")
+  def record(query, key, value, bias=None, mask=None, *, scale=None, implementation=None, **kw):
+    calls.append(dict(implementation=implementation, bias=bias, scale=scale, mask=mask, **kw))
+    return real(query, key, value, bias=bias, scale=scale, implementation="xla", **kw)
 
   monkeypatch.setattr(jax.nn, "dot_product_attention", record)
   monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
@@ -157,6 +158,7 @@ def test_on_a_gpu_the_call_asks_for_cudnn_with_a_bias_in_the_query_dtype(monkeyp
   )
   [call] = calls
   assert call["implementation"] == "cudnn" and call["scale"] == 1.0 and call["mask"] is None
+  assert call["query_seq_lengths"] is None and call["key_value_seq_lengths"] is None
   assert call["bias"].dtype == jnp.bfloat16 and call["bias"].shape == (BATCH, HEADS, 6, 8)
   assert out.shape == q.shape and out.dtype == jnp.bfloat16
 
@@ -203,11 +205,11 @@ def test_where_jax_finds_no_cudnn_xla_runs_and_a_warning_says_so(monkeypatch, ca
   real = jax.nn.dot_product_attention
   asked = []
 
-  def no_cudnn(query, key, value, bias=None, mask=None, *, scale=None, implementation=None):
+  def no_cudnn(query, key, value, bias=None, mask=None, *, scale=None, implementation=None, **kw):
     asked.append(implementation)
     if implementation == "cudnn":
       raise RuntimeError("cuDNN is not detected.")
-    return real(query, key, value, bias=bias, mask=mask, scale=scale, implementation=implementation)
+    return real(query, key, value, bias, mask, scale=scale, implementation=implementation, **kw)
 
   monkeypatch.setattr(jax.nn, "dot_product_attention", no_cudnn)
   monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
@@ -220,3 +222,82 @@ def test_where_jax_finds_no_cudnn_xla_runs_and_a_warning_says_so(monkeypatch, ca
   assert "cuDNN's fused attention refused" in caplog.text and "cuDNN is not detected" in caplog.text
   want = reference.attention(q, k, v, [position], **kwargs)
   np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=2e-2)
+
+
+def _lengths():
+  """The lengths of `_padding_bias`'s mask: row 0 has 3 real queries and 5 real keys."""
+  return PaddingLengths(
+    query=jnp.array([LENGTH_Q - 3, LENGTH_Q]), key=jnp.array([LENGTH_K - 3, LENGTH_K])
+  )
+
+
+def test_padding_lengths_in_place_of_the_mask_give_the_reference_on_real_queries():
+  """With `padding`, the lengths replace the mask: the same outputs and gradients where
+  queries are real, zeros where they are padding (which no loss reads)."""
+  q, k, v, position = _operands(jnp.float32)
+  real = (jnp.arange(LENGTH_Q)[None, :] < _lengths().query[:, None])[:, :, None, None]
+  cotangent = jnp.where(real, jax.random.normal(jax.random.PRNGKey(1), q.shape), 0.0)
+  kwargs = dict(
+    key_axes="bkhd",
+    value_axes="bkhd",
+    dtype=jnp.float32,
+    logits_dtype=jnp.float32,
+    dropout_rate=0.0,
+    dropout_rng=None,
+  )
+
+  def loss(fn, padding):
+    def f(q, k, v, position):
+      out = fn(q, k, v, [_padding_bias(), position], padding=padding, **kwargs)
+      return jnp.vdot(out, cotangent), out
+
+    return jax.value_and_grad(f, argnums=(0, 1, 2, 3), has_aux=True)(q, k, v, position)
+
+  (got_loss, got_out), got_grads = loss(xla_gpu.attention, _lengths())
+  (want_loss, want_out), want_grads = loss(reference.attention, None)
+  np.testing.assert_allclose(
+    np.where(real, got_out, 0.0), np.where(real, want_out, 0.0), rtol=1e-5, atol=1e-6
+  )
+  assert not np.asarray(jnp.where(real, 0.0, got_out)).any()  # padded queries: zeros
+  np.testing.assert_allclose(got_loss, want_loss, rtol=1e-5)
+  for got, want in zip(got_grads, want_grads):
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_on_a_gpu_padding_goes_to_cudnn_as_lengths_beside_the_position_bias(monkeypatch):
+  calls = []
+  real = jax.nn.dot_product_attention
+
+  def record(
+    query, key, value, bias=None, mask=None, *, scale=None, implementation=None, **lengths
+  ):
+    calls.append(dict(implementation=implementation, bias=bias, **lengths))
+    return real(query, key, value, bias=bias, scale=scale, implementation="xla", **lengths)
+
+  monkeypatch.setattr(jax.nn, "dot_product_attention", record)
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  q, k, v, position = _operands(jnp.bfloat16)
+  for biases, bias_shape in (
+    ([_padding_bias(), position], (1, HEADS, 6, 8)),
+    ([_padding_bias()], None),
+  ):
+    calls.clear()
+    xla_gpu.attention(
+      q,
+      k,
+      v,
+      biases,
+      key_axes="bkhd",
+      value_axes="bkhd",
+      dtype=jnp.bfloat16,
+      logits_dtype=jnp.float32,
+      dropout_rate=0.0,
+      dropout_rng=None,
+      padding=_lengths(),
+    )
+    [call] = calls
+    assert call["implementation"] == "cudnn"
+    # Only the position bias, broadcast over the batch (cross-attention: no bias at all).
+    assert (call["bias"] is None) if bias_shape is None else (call["bias"].shape == bias_shape)
+    np.testing.assert_array_equal(call["query_seq_lengths"], _lengths().query)
+    np.testing.assert_array_equal(call["key_value_seq_lengths"], _lengths().key)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import jax.numpy as jnp
 
@@ -45,6 +45,22 @@ class DenseFn(Protocol):
   ) -> Array: ...
 
 
+class PaddingLengths(NamedTuple):
+  """Where an attention's mask is only right padding (unpacked rows), its lengths.
+
+  The layers hand these to `AttentionFn` beside the mask bias they make, so that a
+  kernel that takes sequence lengths (cuDNN's fused attention) can use them in place of
+  a [batch, 1, q, k] bias; the others ignore them.
+
+  Attributes:
+    query: [batch] int32, the real queries of each row (the rest are padding).
+    key: [batch] int32, the real keys of each row.
+  """
+
+  query: Array
+  key: Array
+
+
 class AttentionFn(Protocol):
   """Unscaled dot-product attention with additive biases (T5: no 1/sqrt(head_dim)).
 
@@ -62,6 +78,10 @@ class AttentionFn(Protocol):
     logits_dtype: dtype of the logits and the softmax.
     dropout_rate: dropout on the weights (its mask broadcast over queries, as T5X's).
     dropout_rng: PRNG key of the dropout; None: no dropout.
+    padding: None, or where the rows are unpacked and right-padded, their lengths; then
+      `biases[0]` is exactly the padding mask they make (real queries see real keys),
+      and a kernel may use the lengths in its place. The queries past a row's length
+      are padding, whose outputs no loss reads: such a kernel may give them zeros.
 
   Returns:
     [batch, q, heads, kv].
@@ -80,6 +100,7 @@ class AttentionFn(Protocol):
     logits_dtype: DType,
     dropout_rate: float,
     dropout_rng: Array | None,
+    padding: PaddingLengths | None = None,
   ) -> Array: ...
 
 

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from t5x_lite.core.types import Array, DType
-from t5x_lite.kernels.base import CacheLayouts, Kernels
+from t5x_lite.kernels.base import CacheLayouts, Kernels, PaddingLengths
 
 
 def dense(
@@ -65,8 +65,13 @@ def attention(
   logits_dtype: DType,
   dropout_rate: float,
   dropout_rng: Array | None,
+  padding: PaddingLengths | None = None,
 ) -> Array:
-  """Unscaled dot-product attention (see `base.AttentionFn`) -> [batch, q, heads, kv]."""
+  """Unscaled dot-product attention (see `base.AttentionFn`) -> [batch, q, heads, kv].
+
+  `padding` is not used: the mask bias in `biases` says the same.
+  """
+  del padding
   # [batch, q, heads, kv] x key -> [batch, heads, q, k]
   logits = jnp.einsum(f'bqhd,{key_axes}->bhqk', query, key, preferred_element_type=logits_dtype)
   weights = softmax_weights(logits, biases, dtype, dropout_rate, dropout_rng)

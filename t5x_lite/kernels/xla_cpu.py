@@ -41,7 +41,7 @@ import numpy as np
 
 from t5x_lite.core.types import Array, DType
 from t5x_lite.kernels import reference
-from t5x_lite.kernels.base import TOKENS_MAJOR, CacheLayouts, Kernels
+from t5x_lite.kernels.base import TOKENS_MAJOR, CacheLayouts, Kernels, PaddingLengths
 
 # Decode caches: heads before length, the cross-attention key with kv before length.
 CACHE = CacheLayouts(self_key='bhkd', self_value='bhkd', cross_key='bhdk', cross_value='bhkd')
@@ -153,8 +153,11 @@ def attention(
   logits_dtype: DType,
   dropout_rate: float,
   dropout_rng: Array | None,
+  padding: PaddingLengths | None = None,
 ) -> Array:
-  """`reference.attention` for keys/values as projected ('bkhd') or as in `CACHE`."""
+  """`reference.attention` for keys/values as projected ('bkhd') or as in `CACHE`
+  (`padding` is not used: the mask bias in `biases` says the same)."""
+  del padding
   tokens_major = key_axes == value_axes == TOKENS_MAJOR
   heads_major = key_axes in ('bhkd', 'bhdk') and value_axes == 'bhkd'
   if not (tokens_major or heads_major):

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 
 from t5x_lite.core.types import Array, DType, Initializer
 from t5x_lite.kernels import reference
-from t5x_lite.kernels.base import TOKENS_MAJOR, Kernels, to_layout
+from t5x_lite.kernels.base import TOKENS_MAJOR, Kernels, PaddingLengths, to_layout
 from t5x_lite.nn.layers import MASK_BIAS, Projection, attention_kernel_init
 
 
@@ -196,6 +196,7 @@ class MultiHeadAttention(nn.Module):
     decode_position: Array | None = None,
     cache_length: int | None = None,
     prefilled: Array | None = None,
+    padding: PaddingLengths | None = None,
   ) -> Array:
     """Attends from inputs_q [batch, q, embed] to inputs_kv [batch, k, embed].
 
@@ -214,6 +215,9 @@ class MultiHeadAttention(nn.Module):
       cache_length: INIT: self-attention cache slots; defaults to the input length.
       prefilled: STEP, self-attention: [batch] bool, rows whose cache slot at
         decode_position holds a prefilled prompt's key/value, kept as it is.
+      padding: where `mask_bias` is only the right padding of unpacked rows, their
+        query and key lengths (`base.PaddingLengths`), for kernels that take lengths
+        in place of the bias; whole-sequence calls only.
 
     Returns:
       [batch, q, embed].
@@ -223,6 +227,8 @@ class MultiHeadAttention(nn.Module):
     query = self._in_projection('query', 1.0 / self.head_dim)(inputs_q)
     query = nn.with_logical_constraint(query, ('batch', 'length', 'heads', 'kv'))
     biases = [mask_bias]
+    if mask_bias is None or mode is CacheMode.STEP:
+      padding = None  # it stands for the mask bias (base.AttentionFn), of whole sequences
     if mode is CacheMode.STEP:
       if decode_position is None:
         raise ValueError('a decode step needs its decode_position')
@@ -245,6 +251,7 @@ class MultiHeadAttention(nn.Module):
     if key.shape[0] != rows:
       # Decodes sharing their batch row's encoder output: fold them into the query axis.
       query = _fold_decodes(query, key.shape[0], self.cross_attention)  # [batch, d * q, ...]
+      padding = None
     dropout_rng = None
     if not deterministic and self.dropout_rate > 0.0:
       dropout_rng = self.make_rng('dropout')
@@ -259,6 +266,7 @@ class MultiHeadAttention(nn.Module):
       logits_dtype=self.logits_dtype,
       dropout_rate=self.dropout_rate,
       dropout_rng=dropout_rng,
+      padding=padding,
     ).reshape(rows, length_q, self.num_heads, self.head_dim)  # [batch, q, heads, kv]
     # [batch, q, heads, kv] -> [batch, q, embed]
     out_init = attention_kernel_init(1.0, 'out')

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 
 from t5x_lite.core.types import Array
 from t5x_lite.kernels import registry
-from t5x_lite.kernels.base import Kernels
+from t5x_lite.kernels.base import Kernels, PaddingLengths
 from t5x_lite.nn import attention as attention_lib
 from t5x_lite.nn import layers
 from t5x_lite.nn.attention import CacheMode
@@ -115,13 +115,23 @@ class EncoderLayer(nn.Module):
   deterministic: bool = True
 
   @nn.compact
-  def __call__(self, x: Array, mask_bias: Array, position_bias: Array) -> Any:
-    """x [batch, length, embed] -> same; returns (x, None) when scanned."""
+  def __call__(
+    self,
+    x: Array,
+    mask_bias: Array,
+    position_bias: Array,
+    padding: PaddingLengths | None = None,
+  ) -> Any:
+    """x [batch, length, embed] -> same; returns (x, None) when scanned.
+
+    `padding`: where `mask_bias` is only right padding, its lengths (see
+    `attention.MultiHeadAttention`).
+    """
     cfg = self.config
     position_bias = layer_position_bias(cfg, position_bias, bidirectional=True)
     y = norm(cfg, 'pre_attention_layer_norm')(x)
     y = attention(cfg, 'attention')(
-      y, y, mask_bias, position_bias, deterministic=self.deterministic
+      y, y, mask_bias, position_bias, deterministic=self.deterministic, padding=padding
     )
     x = residual(cfg, y, x, self.deterministic)
     x = feed_forward(cfg, x, self.deterministic)
@@ -153,11 +163,13 @@ class DecoderLayer(nn.Module):
     cross_mask_bias: Array | None,
     decode_position: Array | None,
     prefilled: Array | None = None,
+    cross_padding: PaddingLengths | None = None,
   ) -> Any:
     """x [batch, target_len, embed] -> same; returns (x, None) when scanned.
 
     Without `encoded` (decoder-only models) the layer has no cross-attention.
-    `prefilled` [batch]: see `attention.MultiHeadAttention`.
+    `prefilled` [batch]: see `attention.MultiHeadAttention`. `cross_padding`: where
+    `cross_mask_bias` is only right padding, its lengths (the same docstring's `padding`).
     """
     cfg = self.config
     position_bias = layer_position_bias(cfg, position_bias, bidirectional=False)
@@ -183,6 +195,7 @@ class DecoderLayer(nn.Module):
         deterministic=self.deterministic,
         mode=self.mode,
         decode_position=decode_position,
+        padding=cross_padding,
       )
       x = residual(cfg, y, x, self.deterministic)
     x = feed_forward(cfg, x, self.deterministic)

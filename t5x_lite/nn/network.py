@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from t5x_lite.core.errors import ConfigError
 from t5x_lite.core.types import Array, PyTree
 from t5x_lite.kernels import registry
+from t5x_lite.kernels.base import PaddingLengths
 from t5x_lite.nn import blocks, layers
 from t5x_lite.nn.attention import CacheMode
 
@@ -153,6 +154,17 @@ def _segment_mask(query_segments: Array | None, key_segments: Array | None) -> A
   return layers.make_attention_mask(query_segments, key_segments, jnp.equal)
 
 
+def _padding_lengths(query_valid: Array, key_valid: Array) -> PaddingLengths:
+  """The real queries and keys of each row, [batch] each, of [batch, q] and [batch, k]
+  masks of real tokens: the lengths of the padding mask of unpacked rows, whose
+  padding (token 0) follows their last real token as seqio's feature converters lay
+  it out."""
+  return PaddingLengths(
+    query=jnp.sum(query_valid, axis=1, dtype=jnp.int32),
+    key=jnp.sum(key_valid, axis=1, dtype=jnp.int32),
+  )
+
+
 def _encoder_padding_bias(encoder_input_tokens: Array) -> Array:
   """[batch, 1, 1, input_len] float32 bias masking the encoder's padding (token 0)."""
   return layers.mask_to_bias((encoder_input_tokens > 0)[:, None, None, :])
@@ -190,6 +202,8 @@ class Encoder(nn.Module):
       layers.make_attention_mask(valid, valid),
       _segment_mask(encoder_segment_ids, encoder_segment_ids),
     )
+    # Unpacked rows: the mask is only padding, which kernels may take as lengths.
+    padding = _padding_lengths(valid, valid) if encoder_segment_ids is None else None
     relative = layers.relative_positions(length, length)  # [1, q, k]
     # [1, heads, q, k] (per-layer tables: the relative positions [1, q, k])
     position_bias = blocks.stack_position_bias(cfg, relative, bidirectional=True)
@@ -203,6 +217,7 @@ class Encoder(nn.Module):
       x,
       layers.mask_to_bias(mask),
       position_bias,
+      padding,
       deterministic=deterministic,
     )
     x = blocks.norm(cfg, 'encoder_norm', in_layer=False)(x)
@@ -305,8 +320,9 @@ class Decoder(nn.Module):
     encoder_segment_ids: Array | None,
     decoder_segment_ids: Array | None,
     decoder_causal_attention: Array | None,
-  ) -> tuple[Array, Array, Array | None]:
-    """(self mask bias, relative position bias, cross mask bias or None) for whole sequences.
+  ) -> tuple[Array, Array, Array | None, PaddingLengths | None]:
+    """(self mask bias, relative position bias, cross mask bias or None, the cross mask's
+    lengths where it is only padding or None) for whole sequences.
 
     `decoder_causal_attention` [batch, length] marks a prefix LM's inputs: positions
     where it is 1 see each other in full (seqio's PrefixLMFeatureConverter feature).
@@ -326,7 +342,7 @@ class Decoder(nn.Module):
     self_mask = layers.combine_masks(
       visible, self_padding, _segment_mask(decoder_segment_ids, decoder_segment_ids)
     )
-    cross_mask_bias = None
+    cross_mask_bias = cross_padding = None
     if encoder_input_tokens is not None and encoder_input_tokens.shape[0] != valid.shape[0]:
       # The cache-creating call of decodes that share their row's encoder output
       # (see attention.MultiHeadAttention): no target padding, no packing.
@@ -337,9 +353,11 @@ class Decoder(nn.Module):
         _segment_mask(decoder_segment_ids, encoder_segment_ids),
       )
       cross_mask_bias = layers.mask_to_bias(cross_mask)
+      if decoder_segment_ids is None and encoder_segment_ids is None:
+        cross_padding = _padding_lengths(valid, encoder_input_tokens > 0)
     relative = layers.relative_positions(length, length)
     position_bias = blocks.stack_position_bias(self.config, relative, bidirectional=False)
-    return layers.mask_to_bias(self_mask), position_bias, cross_mask_bias
+    return layers.mask_to_bias(self_mask), position_bias, cross_mask_bias, cross_padding
 
   def _logits(self, x: Array) -> Array:
     """Final hidden states [batch, length, embed] -> float32 logits [batch, length, vocab]."""
@@ -423,7 +441,7 @@ class Decoder(nn.Module):
       decoder_input_tokens, encoded is None, decode, prefill
     )
     if mode is not CacheMode.STEP:
-      self_mask_bias, position_bias, cross_mask_bias = self._full_biases(
+      self_mask_bias, position_bias, cross_mask_bias, cross_padding = self._full_biases(
         encoder_input_tokens,
         decoder_input_tokens,
         decoder_target_tokens,
@@ -436,7 +454,7 @@ class Decoder(nn.Module):
       distance = jnp.arange(cfg.relative_attention_max_distance + 1, dtype=jnp.int32)  # [D]
       # [1, heads, 1, D] (per-layer tables: the distances [1, 1, D])
       position_bias = blocks.stack_position_bias(cfg, -distance[None, None, :], bidirectional=False)
-      cross_mask_bias = None
+      cross_mask_bias = cross_padding = None
       if encoder_input_tokens is not None:
         cross_mask_bias = _encoder_padding_bias(encoder_input_tokens)
     x = self.shared_embedding(decoder_input_tokens)  # [batch, target_len, embed]
@@ -453,6 +471,7 @@ class Decoder(nn.Module):
       cross_mask_bias,
       decode_position,
       prefilled,
+      cross_padding,
       deterministic=deterministic,
       mode=mode,
       cache_length=max_decode_length if mode is CacheMode.INIT else None,
