@@ -301,3 +301,53 @@ def test_on_a_gpu_padding_goes_to_cudnn_as_lengths_beside_the_position_bias(monk
     assert (call["bias"] is None) if bias_shape is None else (call["bias"].shape == bias_shape)
     np.testing.assert_array_equal(call["query_seq_lengths"], _lengths().query)
     np.testing.assert_array_equal(call["key_value_seq_lengths"], _lengths().key)
+
+
+def _dot_operand_dtypes(fn, *args):
+  """The operand dtypes of every dot_general in fn's jaxpr (custom_vjp bodies included)."""
+  found = []
+
+  def walk(jaxpr):
+    for eqn in jaxpr.eqns:
+      if eqn.primitive.name == "dot_general":
+        found.append(tuple(str(v.aval.dtype) for v in eqn.invars))
+      for param in eqn.params.values():
+        for sub in param if isinstance(param, (list, tuple)) else [param]:
+          inner = getattr(sub, "jaxpr", sub)
+          if hasattr(inner, "eqns"):
+            walk(inner)
+
+  walk(jax.make_jaxpr(fn)(*args).jaxpr)
+  return found
+
+
+def test_float32_logits_of_bfloat16_operands_take_a_bfloat16_cotangent_backward():
+  """The output layer's backward: the float32 cotangent cast to bfloat16 before both
+  gradient matmuls (the reference's runs them in float32); the forward is the same."""
+  keys = jax.random.split(jax.random.PRNGKey(0), 3)
+  x = jax.random.normal(keys[0], (4, 5, 16)).astype(jnp.bfloat16)  # [batch, length, embed]
+  w = (0.3 * jax.random.normal(keys[1], (16, 40))).astype(jnp.bfloat16)  # [embed, vocab]
+  g = jax.random.normal(keys[2], (4, 5, 40))  # float32 cotangent of the logits
+
+  def grads(dense):
+    def f(x, w):
+      return jnp.sum(dense(x, w, (0,), jnp.float32) * g)  # no dot_general of its own
+
+    return jax.grad(f, argnums=(0, 1)), f
+
+  ours, ref = grads(xla_gpu.dense), grads(reference.dense)
+  np.testing.assert_array_equal(
+    xla_gpu.dense(x, w, (0,), jnp.float32), reference.dense(x, w, (0,), jnp.float32)
+  )
+  backward = _dot_operand_dtypes(ours[0], x, w)[1:]  # after the forward's
+  assert backward and all(dtypes == ("bfloat16", "bfloat16") for dtypes in backward), backward
+  assert any("float32" in d for d in _dot_operand_dtypes(ref[0], x, w)[1:])
+  for got, want in zip(ours[0](x, w), ref[0](x, w)):
+    assert got.dtype == want.dtype == jnp.bfloat16
+    np.testing.assert_allclose(
+      np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=2e-2, atol=2e-2
+    )
+  # Float32 operands, or 16-bit out: the reference's projection, backward included.
+  x32, w32 = x.astype(jnp.float32), w.astype(jnp.float32)
+  assert _dot_operand_dtypes(ours[0], x32, w32) == _dot_operand_dtypes(ref[0], x32, w32)
+  assert xla_gpu.dense(x, w, (0,)).dtype == jnp.bfloat16

@@ -4,8 +4,8 @@ Chosen by `T5Config.kernels='xla_gpu'`. 'auto' still picks 'reference' on a GPU
 (`registry.AUTO`): this set trains faster in both shapes measured on a GPU
 (docs/performance.md), but until its decoded tokens are compared with the reference's
 there, the plain math stays the default.
-Projections, RMSNorm and argmax are the reference's (cuBLAS and XLA's fusions take
-them as they are); what differs is attention:
+RMSNorm and argmax are the reference's (XLA's fusions take them as they are), and so
+are the projections but for one backward (below); what differs is attention:
 
 * The additive biases the layers hand over (masks and T5's relative position bias,
   see `base.AttentionFn`) are summed into the one `bias` of
@@ -37,10 +37,19 @@ them as they are); what differs is attention:
   in that call, so with a dropout key the reference attention runs instead; so it does
   for operands of mixed dtypes and for other key/value layouts.
 * The decode caches keep the projections' layout ('bkhd'), which is the call's.
+
+The projection that gives float32 out of 16-bit operands (the output layer: float32
+logits for the loss) differs in its backward only: the float32 cotangent of the logits
+is cast to the operands' dtype before the two gradient matmuls, as in T5X, whose
+bfloat16 logits are cast to float32 after the projection. The reference's backward
+runs them with the float32 cotangent, which on an H200 made the logits' input gradient
+a float32 (TF32) matmul, the slowest op of T5 1.1 base's step (docs/performance.md).
+The forward is the reference's.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import jax
@@ -176,9 +185,46 @@ def attention(
   return out
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _dense_16bit_cotangent(
+  inputs: Array, kernel: Array, contract: tuple[int, ...], out_dtype: DType
+) -> Array:
+  """`reference.dense` whose backward takes the cotangent in the operands' dtype."""
+  return reference.dense(inputs, kernel, contract, out_dtype)
+
+
+def _dense_fwd(
+  inputs: Array, kernel: Array, contract: tuple[int, ...], out_dtype: DType
+) -> tuple[Array, tuple[Array, Array]]:
+  return reference.dense(inputs, kernel, contract, out_dtype), (inputs, kernel)
+
+
+def _dense_bwd(
+  contract: tuple[int, ...], out_dtype: DType, residuals: tuple[Array, Array], cotangent: Array
+) -> tuple[Array, Array]:
+  del out_dtype
+  inputs, kernel = residuals
+  _, vjp = jax.vjp(lambda x, k: reference.dense(x, k, contract), inputs, kernel)
+  return vjp(cotangent.astype(inputs.dtype))  # [..., *in] and the kernel's shape
+
+
+_dense_16bit_cotangent.defvjp(_dense_fwd, _dense_bwd)
+
+
+def dense(
+  inputs: Array, kernel: Array, contract: tuple[int, ...], out_dtype: DType | None = None
+) -> Array:
+  """inputs [..., *in] x kernel -> [..., *out] (see `base.DenseFn`): the reference's,
+  with a 16-bit cotangent where 16-bit operands give float32 (the module docstring)."""
+  sixteen_bit = any(inputs.dtype == d for d in CUDNN_DTYPES) and kernel.dtype == inputs.dtype
+  if out_dtype is None or not sixteen_bit or jnp.dtype(out_dtype) != jnp.float32:
+    return reference.dense(inputs, kernel, contract, out_dtype)
+  return _dense_16bit_cotangent(inputs, kernel, contract, out_dtype)
+
+
 KERNELS = Kernels(
   name='xla_gpu',
-  dense=reference.dense,
+  dense=dense,
   attention=attention,
   rms_norm=reference.rms_norm,
   argmax=reference.argmax,
