@@ -2,15 +2,17 @@ r"""T5 attention's forward and backward on a GPU: how cuDNN's fused attention ta
 
 T5's attention adds two biases to its logits: the attention mask (padding, packing,
 causality: data, no gradient) and the relative position bias (a learned parameter whose
-gradient must flow). The 'xla_gpu' kernel set sums them into one [batch, heads, q, k]
-bias for `jax.nn.dot_product_attention(implementation='cudnn')`, so cuDNN reads that
-bias and writes its gradient at full size in every layer. This tool times, at one
+gradient must flow). Summed into one [batch, heads, q, k] bias for
+`jax.nn.dot_product_attention(implementation='cudnn')`, cuDNN reads that bias and
+writes its gradient at full size in every layer. This tool times, at one
 attention shape, the forward and backward (gradients of queries, keys, values and the
 position bias) of the ways cuDNN can be given the same function:
 
-* `cudnn_summed_bias`: the masks and the position bias summed (what 'xla_gpu' does);
+* `cudnn_summed_bias`: the masks and the position bias summed (what the 'xla_gpu'
+  kernel set does for packed rows and causal masks);
 * `cudnn_position_bias_padding`: the position bias as [1, heads, q, k] and the padding
-  as sequence lengths (cuDNN's PADDING mask: no mask tensor);
+  as sequence lengths (cuDNN's PADDING mask: no mask tensor; what 'xla_gpu' does for
+  unpacked rows' encoder self-attention and cross-attention);
 * `cudnn_position_bias_packed`: the same with packed segments as cuDNN's segment
   offsets (jax's cuDNN call with `q_offsets`/`kv_offsets`; no mask tensor);
 * `cudnn_no_bias`: no bias at all (what cuDNN does without T5's position bias: a floor);
