@@ -237,14 +237,8 @@ def test_padding_lengths_in_place_of_the_mask_give_the_reference_on_real_queries
   q, k, v, position = _operands(jnp.float32)
   real = (jnp.arange(LENGTH_Q)[None, :] < _lengths().query[:, None])[:, :, None, None]
   cotangent = jnp.where(real, jax.random.normal(jax.random.PRNGKey(1), q.shape), 0.0)
-  kwargs = dict(
-    key_axes="bkhd",
-    value_axes="bkhd",
-    dtype=jnp.float32,
-    logits_dtype=jnp.float32,
-    dropout_rate=0.0,
-    dropout_rng=None,
-  )
+  kwargs = dict(key_axes="bkhd", value_axes="bkhd", dtype=jnp.float32)
+  kwargs.update(logits_dtype=jnp.float32, dropout_rate=0.0, dropout_rng=None)
 
   def loss(fn, padding):
     def f(q, k, v, position):

@@ -28,11 +28,10 @@ are the projections but for one backward (below); what differs is attention:
 * Where the layers say a mask is only right padding (`base.PaddingLengths`: the
   encoder's self-attention and the decoder's cross-attention over unpacked rows), the
   lengths replace that mask (`query_seq_lengths`, `key_value_seq_lengths`), so the one
-  bias left is T5's position bias [1, heads, q, k] (or none, in cross-attention): on an
-  H200 cuDNN's forward and backward of the encoder's shape took 3.2 ms this way against
-  4.6 ms with the summed [batch, heads, q, k] bias (tools/attention_benchmark.py,
-  docs/performance.md). The padded queries' outputs are zeros. Packed rows (segment
-  masks), causal masks and decode steps keep the summed bias.
+  bias left is T5's position bias [1, heads, q, k] (or none, in cross-attention), which
+  cuDNN reads and differentiates without a [batch, heads, q, k] copy (measured with
+  tools/attention_benchmark.py: docs/performance.md). The padded queries' outputs are
+  zeros. Packed rows (segment masks), causal masks and decode steps keep the summed bias.
 * Attention dropout (a fine-tuning option; T5 1.1 pre-trains without it) has no place
   in that call, so with a dropout key the reference attention runs instead; so it does
   for operands of mixed dtypes and for other key/value layouts.
@@ -42,8 +41,8 @@ The projection that gives float32 out of 16-bit operands (the output layer: floa
 logits for the loss) differs in its backward only: the float32 cotangent of the logits
 is cast to the operands' dtype before the two gradient matmuls, as in T5X, whose
 bfloat16 logits are cast to float32 after the projection. The reference's backward
-runs them with the float32 cotangent, which on an H200 made the logits' input gradient
-a float32 (TF32) matmul, the slowest op of T5 1.1 base's step (docs/performance.md).
+runs them with the float32 cotangent, which makes the logits' input gradient a float32
+(TF32 on a GPU) matmul, the slowest op of T5 1.1 base's step on a GPU (docs/performance.md).
 The forward is the reference's.
 """
 
