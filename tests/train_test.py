@@ -34,7 +34,7 @@ from t5x_lite.data import pipeline, vocab
 from t5x_lite.checkpoint import checkpoints, train_checkpointer
 from t5x_lite.training import optimizers, partitioning
 from t5x_lite.run import train_lib
-from t5x_lite.core.errors import ConfigError
+from t5x_lite.core.errors import CheckpointNotFoundError, ConfigError
 from text_tasks import VOCAB, register_text_task
 from tiny_models import tiny_checkpoint_config
 
@@ -203,6 +203,17 @@ def test_finetune_restores_params_only_and_names_missing_parameter(pretrained, t
   assert dict(mesh.shape) == {"data": 8, "model": 1}
   expected = checkpoints.restore_params(pretrained, _abstract_params(tied))
   jax.tree.map(np.testing.assert_array_equal, jax.device_get(state.params), expected)
+
+
+def test_a_missing_start_checkpoint_names_the_binding_and_the_way_out(tmp_path):
+  with pytest.raises(CheckpointNotFoundError) as e:
+    _train(tmp_path / "ft", 1, initial_checkpoint_path=str(tmp_path / "not_pretrained"))
+  assert str(e.value).splitlines()[0] == (  # gin adds a line naming the configurable
+    f"train.initial_checkpoint_path: No checkpoint at {tmp_path}/not_pretrained: it does not "
+    "exist. Train that checkpoint first, or start from random weights with "
+    "--gin.train.initial_checkpoint_path=None"
+  )
+  assert not (tmp_path / "ft").exists() or not any((tmp_path / "ft").glob("[0-9]*"))
 
 
 def test_a_checkpoint_is_used_only_with_the_vocabulary_it_was_trained_with(pretrained, tmp_path):
