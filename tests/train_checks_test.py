@@ -6,7 +6,7 @@ import os
 import pytest
 
 from t5x_lite.core import paths
-from t5x_lite.core.errors import ConfigError, WriteError
+from t5x_lite.core.errors import CheckpointNotFoundError, ConfigError, WriteError
 from t5x_lite.data import pipeline
 from t5x_lite.run import train_checks
 from t5x_lite.training import partitioning
@@ -81,3 +81,13 @@ def test_a_batch_that_does_not_divide_over_the_data_axis_names_both():
   with pytest.raises(ConfigError, match="BATCH_SIZE 12 .* data axis of 8 devices; use a multiple"):
     train_checks.check_batch_size(_cfg(batch_size=12), partitioner)
   train_checks.check_batch_size(_cfg(batch_size=16), partitioner)
+
+
+def test_a_new_runs_missing_start_is_named_and_a_resumed_run_does_not_read_it(tmp_path):
+  missing = str(tmp_path / "pretrained")
+  with pytest.raises(CheckpointNotFoundError, match=r"^train\.initial_checkpoint_path: No check"):
+    train_checks.check_start(missing, resuming=False)
+  train_checks.check_start(missing, resuming=True)  # a resume never reads the start
+  train_checks.check_start(None, resuming=False)  # random weights
+  (tmp_path / "pretrained" / "7" / "params").mkdir(parents=True)
+  train_checks.check_start(missing, resuming=False)

@@ -179,6 +179,13 @@ def _root_steps(root: epath.PathLike) -> list[int]:
   return steps
 
 
+def check_exists(path: epath.PathLike) -> None:
+  """Raises `CheckpointNotFoundError` unless `path` is a step directory or a root with
+  steps (`find_steps`' first check, without reading or verifying any file)."""
+  if not is_step_dir(path):
+    _root_steps(path)
+
+
 def read_json_item(step_dir: epath.Path, item: str) -> dict[str, Any] | None:
   """A JsonSave item of a step directory (`TRAIN_META`, `CONFIG`), or None when absent."""
   if not (step_dir / item).is_dir():

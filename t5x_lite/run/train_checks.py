@@ -3,6 +3,8 @@
 * `check_outputs`: MODEL_DIR and its TensorBoard directories can be written (a
   read-only directory, or a file in the way, fails here, not after the restore).
 * `check_batch_size`: the global batch divides over the mesh's data axis.
+* `check_start`: a new run's fine-tuning start (`train.initial_checkpoint_path`)
+  exists, so a task recipe run before its pre-training stops before any work.
 * `check_resume`: a resumed MODEL_DIR is continued with the data it was trained on
   (task or mixture, batch size, feature lengths, packing: `train_data_meta`, stored
   in every checkpoint's `train_meta`) and to a step at or after the one it reached.
@@ -17,7 +19,8 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from t5x_lite.core.errors import ConfigError, WriteError
+from t5x_lite.checkpoint import checkpoints
+from t5x_lite.core.errors import CheckpointNotFoundError, ConfigError, WriteError
 from t5x_lite.core.paths import not_writable, shown
 from t5x_lite.data import pipeline
 from t5x_lite.training import partitioning
@@ -57,6 +60,24 @@ def check_batch_size(cfg: pipeline.DatasetConfig, partitioner: partitioning.Part
       f"the mesh's data axis of {partitioner.data_size} devices; use a multiple of "
       f"{partitioner.data_size}."
     )
+
+
+def check_start(initial_checkpoint_path: str | None, *, resuming: bool) -> None:
+  """Raises `CheckpointNotFoundError` naming the binding when a new run's start is missing.
+
+  Args:
+    initial_checkpoint_path: `train.initial_checkpoint_path` (None: random weights).
+    resuming: MODEL_DIR has steps, so the start is not read.
+  """
+  if not initial_checkpoint_path or resuming:
+    return
+  try:
+    checkpoints.check_exists(initial_checkpoint_path)
+  except CheckpointNotFoundError as e:
+    raise CheckpointNotFoundError(
+      f"train.initial_checkpoint_path: {e}. Train that checkpoint first, or start from "
+      "random weights with --gin.train.initial_checkpoint_path=None"
+    ) from e
 
 
 def train_data_meta(cfg: pipeline.DatasetConfig) -> dict[str, Any]:

@@ -59,7 +59,7 @@ from t5x_lite.training import (
   trainer,
 )
 from t5x_lite.run import eval_lib, model_dir_lock, train_checks
-from t5x_lite.core.errors import CheckpointNotFoundError, ConfigError, UserError
+from t5x_lite.core.errors import ConfigError, UserError
 from t5x_lite.core.types import GIN_REQUIRED
 
 CONFIG_FILE = "config.gin"
@@ -175,22 +175,16 @@ def _setup_state(
         )
         if frozen
       ]
-      try:
-        start = partial_restore.restore_start(
-          initial_checkpoint_path,
-          abstract.params,
-          state.params,
-          config,
-          dtype=initial_checkpoint_dtype,
-          abstract_opt_state=abstract.opt_state,
-          frozen_by=frozen_by,
-          vocabulary=model.output_vocabulary,
-        )
-      except CheckpointNotFoundError as e:  # e.g. a recipe run before its pre-training
-        raise CheckpointNotFoundError(
-          f"train.initial_checkpoint_path: {e}. Train that checkpoint first, or start from "
-          "random weights with --gin.train.initial_checkpoint_path=None"
-        ) from e
+      start = partial_restore.restore_start(
+        initial_checkpoint_path,
+        abstract.params,
+        state.params,
+        config,
+        dtype=initial_checkpoint_dtype,
+        abstract_opt_state=abstract.opt_state,
+        frozen_by=frozen_by,
+        vocabulary=model.output_vocabulary,
+      )
       state = state.replace(params=start.params)
       if start.opt_state is not None:
         step = jax.device_put(jnp.asarray(start.step, jnp.int32), shardings.step)
@@ -578,6 +572,7 @@ def train(
     stack.callback(lock.release)
     ckpt = train_checkpointer.TrainCheckpointer(model_dir)
     stack.callback(ckpt.close)
+    train_checks.check_start(initial_checkpoint_path, resuming=bool(ckpt.all_steps()))
     if primary:  # every host reads the same first examples: report once
       pipeline.log_truncation(train_dataset_cfg)  # warns when examples exceed the feature lengths
     train_iter = pipeline.train_iterator(
