@@ -273,6 +273,27 @@ def test_adapters_gin_trains_exactly_the_adapters_and_layer_norms(
   assert chosen == adapters | norms
 
 
+def _adafactor_step_rms(gin_files: list[str]) -> float:
+  """RMS of Adafactor's first update (learning rate 1e-2) to a zero [64, 256] kernel, an
+  adapter's freshly initialised `wo`, with these gin files parsed."""
+  gin_config.parse_gin(gin_files, [])
+  try:
+    optimizer = optimizers.adafactor(learning_rate=1e-2)
+  finally:
+    gin.clear_config()
+  params = {"wo": jnp.zeros((64, 256))}
+  tx = optimizer.with_param_axes({"wo": ("mlp", "embed")}).tx
+  updates, _ = tx.update({"wo": jnp.ones((64, 256))}, tx.init(params), params)
+  return float(jnp.sqrt(jnp.mean(jnp.square(updates["wo"]))))
+
+
+def test_adapters_gin_takes_full_steps_on_the_zero_initialised_adapter_kernels():
+  # Scaled by the parameter's RMS (floored at 1e-3), the zero kernel would move 1e-5 per
+  # step, and adapters stayed the identity for a whole fine-tuning (docs/finetune_sst2.md).
+  assert _adafactor_step_rms([]) == pytest.approx(1e-5, rel=1e-3)
+  assert _adafactor_step_rms(["runs/adapters.gin"]) == pytest.approx(1e-2, rel=1e-3)
+
+
 def test_adapter_finetuning_from_a_checkpoint_without_adapters(pretrained, tmp_path):
   patterns = _adapters_gin_patterns()  # clears gin: before the binding below
   gin.bind_parameter("TrainCheckpointer.save_period", 1)
