@@ -293,6 +293,16 @@ def test_steps_for_epochs_counts_rows_of_one_pass():
     0.5, mixture_or_task_name=TASK, task_feature_lengths={"inputs": 64, "targets": 64}, batch_size=8
   )
   assert half == max(1, round(0.5 * rows / 8))
+  # A budget caps a long run and leaves a short one as counted.
+  lengths = {"inputs": 64, "targets": 64}
+  capped = pipeline.steps_for_epochs(
+    2, mixture_or_task_name=TASK, task_feature_lengths=lengths, batch_size=8, max_steps=packed - 1
+  )
+  assert capped == packed - 1
+  uncapped = pipeline.steps_for_epochs(
+    2, mixture_or_task_name=TASK, task_feature_lengths=lengths, batch_size=8, max_steps=packed
+  )
+  assert uncapped == packed
 
 
 def test_steps_for_epochs_rejects_bad_numbers_and_names():
@@ -304,4 +314,8 @@ def test_steps_for_epochs_rejects_bad_numbers_and_names():
   with pytest.raises(ConfigError, match="closest"):
     pipeline.steps_for_epochs(
       1, mixture_or_task_name="data_test_byts", task_feature_lengths=lengths, batch_size=8
+    )
+  with pytest.raises(ConfigError, match="max_steps > 0 or None, got 0"):
+    pipeline.steps_for_epochs(
+      1, mixture_or_task_name=TASK, task_feature_lengths=lengths, batch_size=8, max_steps=0
     )

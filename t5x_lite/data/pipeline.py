@@ -692,6 +692,7 @@ def steps_for_epochs(
   split: str = "train",
   pack: bool = True,
   architecture: str = "encoder_decoder",
+  max_steps: int | None = None,
 ) -> int:
   """Steps of `batch_size` rows that pass over `split` about `epochs` times.
 
@@ -708,37 +709,45 @@ def steps_for_epochs(
     split: the split passed over.
     pack: count packed rows (as training packs them).
     architecture: the model's `T5Config.architecture` (its feature converter).
+    max_steps: at most this many steps (None: no limit), so that a recipe counted in
+      epochs keeps to a compute budget on a large task.
 
   Returns:
-    max(1, round(epochs * rows / batch_size)).
+    max(1, round(epochs * rows / batch_size)), or `max_steps` if that is fewer.
 
   Raises:
-    ConfigError: for a non-positive `epochs` or `batch_size`, or an unknown task.
+    ConfigError: for a non-positive `epochs`, `batch_size` or `max_steps`, or an unknown
+      task.
   """
   if epochs <= 0 or batch_size <= 0:
     raise ConfigError(
       f"steps_for_epochs needs epochs > 0 and batch_size > 0, got {epochs} and {batch_size}."
     )
+  if max_steps is not None and max_steps <= 0:
+    raise ConfigError(f"steps_for_epochs needs max_steps > 0 or None, got {max_steps}.")
   get_mixture_or_task(mixture_or_task_name)  # an unknown name: the closest registered ones
   rows = _rows_per_pass(
     mixture_or_task_name, tuple(sorted(task_feature_lengths.items())), split, pack, architecture
   )
   steps = max(1, round(epochs * rows / batch_size))
-  key = (mixture_or_task_name, split, epochs, rows, batch_size)
-  if key in _LOGGED_STEPS:  # gin resolves a macro at each use: say it once
-    return steps
-  _LOGGED_STEPS.add(key)
-  logging.info(
-    "%g epochs of %s (%s): %d rows of %s per pass, %d steps of %d rows.",
-    epochs,
-    mixture_or_task_name,
-    split,
-    rows,
-    dict(task_feature_lengths),
-    steps,
-    batch_size,
-  )
-  return steps
+  limit = steps if max_steps is None else min(steps, max_steps)
+  key = (mixture_or_task_name, split, epochs, rows, batch_size, max_steps)
+  if key not in _LOGGED_STEPS:  # gin resolves a macro at each use: say it once
+    _LOGGED_STEPS.add(key)
+    logging.info(
+      "%g epochs of %s (%s): %d rows of %s per pass, %d steps of %d rows%s.",
+      epochs,
+      mixture_or_task_name,
+      split,
+      rows,
+      dict(task_feature_lengths),
+      steps,
+      batch_size,
+      f"; capped at max_steps={limit} ({limit * batch_size / rows:.2g} epochs)"
+      if limit < steps
+      else "",
+    )
+  return limit
 
 
 def train_iterator(
