@@ -6,6 +6,7 @@ import logging
 import os
 import sys
 
+import gin
 import jax
 import numpy as np
 import pytest
@@ -307,15 +308,65 @@ def test_steps_for_epochs_counts_rows_of_one_pass():
 
 def test_steps_for_epochs_rejects_bad_numbers_and_names():
   lengths = {"inputs": 64, "targets": 64}
-  with pytest.raises(ConfigError, match="epochs > 0 and batch_size > 0"):
+  with pytest.raises(ConfigError, match="^steps_for_epochs's epochs must be > 0, got 0.\n"):
     pipeline.steps_for_epochs(
       0, mixture_or_task_name=TASK, task_feature_lengths=lengths, batch_size=8
+    )
+  with pytest.raises(ConfigError, match="steps_for_epochs's batch_size must be > 0, got -8"):
+    pipeline.steps_for_epochs(
+      1, mixture_or_task_name=TASK, task_feature_lengths=lengths, batch_size=-8
     )
   with pytest.raises(ConfigError, match="closest"):
     pipeline.steps_for_epochs(
       1, mixture_or_task_name="data_test_byts", task_feature_lengths=lengths, batch_size=8
     )
-  with pytest.raises(ConfigError, match="max_steps > 0 or None, got 0"):
+  with pytest.raises(ConfigError, match="max_steps must be > 0 or None, got 0"):
     pipeline.steps_for_epochs(
       1, mixture_or_task_name=TASK, task_feature_lengths=lengths, batch_size=8, max_steps=0
     )
+
+
+@gin.configurable
+def data_test_lengths(train: int, eval_every: int) -> tuple[int, int]:
+  """A consumer of two step counts, as train() consumes TRAIN_STEPS and EVAL_PERIOD."""
+  return train, eval_every
+
+
+def test_steps_for_epochs_errors_name_the_gin_binding_a_user_edits():
+  """As gin/recipes/new_task.gin binds it: scoped calls reading macros and unscoped ones."""
+
+  def error_for(bindings: str) -> str:
+    gin.clear_config()
+    gin.parse_config(
+      f"""
+      EPOCHS = 2
+      BATCH_SIZE = 8
+      data_test_lengths.train = @train_length/steps_for_epochs()
+      data_test_lengths.eval_every = @eval_every/steps_for_epochs()
+      train_length/steps_for_epochs.epochs = %EPOCHS
+      eval_every/steps_for_epochs.epochs = 1
+      steps_for_epochs.mixture_or_task_name = '{TASK}'
+      steps_for_epochs.task_feature_lengths = {{'inputs': 64, 'targets': 64}}
+      steps_for_epochs.batch_size = %BATCH_SIZE
+      {bindings}
+      """
+    )
+    with pytest.raises(ConfigError) as error:
+      data_test_lengths()
+    return str(error.value).splitlines()[0]
+
+  try:
+    assert error_for("EPOCHS = 0") == (
+      "gin binding train_length/steps_for_epochs.epochs (= %EPOCHS) must be > 0, got 0."
+    )
+    assert error_for("eval_every/steps_for_epochs.epochs = -1").startswith(
+      "gin binding eval_every/steps_for_epochs.epochs must be > 0, got -1."
+    )
+    assert error_for("BATCH_SIZE = 0").startswith(
+      "gin binding steps_for_epochs.batch_size (= %BATCH_SIZE) must be > 0, got 0."
+    )
+    assert error_for("train_length/steps_for_epochs.max_steps = 0").startswith(
+      "gin binding train_length/steps_for_epochs.max_steps must be > 0 or None, got 0."
+    )
+  finally:
+    gin.clear_config()

@@ -682,6 +682,27 @@ def _rows_per_pass(
   return int(dataset.reduce(np.int64(0), lambda count, _: count + 1).numpy())
 
 
+def _gin_binding(configurable: str, parameter: str) -> str:
+  """The gin binding a user edits for `parameter` of the `configurable` being called.
+
+  Inside a call that gin makes under a scope (`@train_length/steps_for_epochs()`), this is
+  the scoped binding, and the macro it reads when it reads one, e.g.
+  "train_length/steps_for_epochs.epochs (= %EPOCHS)"; outside gin, the bare parameter.
+  """
+  scope = gin.current_scope_str()
+  for key in ([f"{scope}/{configurable}.{parameter}"] if scope else []) + [
+    f"{configurable}.{parameter}"
+  ]:
+    try:
+      value = gin.query_parameter(key)
+    except ValueError:
+      continue
+    if getattr(value, "config_key", (None, None))[1] == "gin.macro":
+      return f"gin binding {key} (= %{'/'.join(value.scopes)})"
+    return f"gin binding {key}"
+  return f"{configurable}'s {parameter}"
+
+
 @gin.configurable
 def steps_for_epochs(
   epochs: float = GIN_REQUIRED,
@@ -719,12 +740,12 @@ def steps_for_epochs(
     ConfigError: for a non-positive `epochs`, `batch_size` or `max_steps`, or an unknown
       task.
   """
-  if epochs <= 0 or batch_size <= 0:
-    raise ConfigError(
-      f"steps_for_epochs needs epochs > 0 and batch_size > 0, got {epochs} and {batch_size}."
-    )
-  if max_steps is not None and max_steps <= 0:
-    raise ConfigError(f"steps_for_epochs needs max_steps > 0 or None, got {max_steps}.")
+  for name, value in (("epochs", epochs), ("batch_size", batch_size), ("max_steps", max_steps)):
+    if value is not None and value <= 0:
+      raise ConfigError(
+        f"{_gin_binding('steps_for_epochs', name)} must be > 0"
+        f"{' or None' if name == 'max_steps' else ''}, got {value}."
+      )
   get_mixture_or_task(mixture_or_task_name)  # an unknown name: the closest registered ones
   rows = _rows_per_pass(
     mixture_or_task_name, tuple(sorted(task_feature_lengths.items())), split, pack, architecture
