@@ -4,6 +4,7 @@ import dataclasses
 import functools
 import logging
 import os
+import re
 import sys
 
 import gin
@@ -288,7 +289,7 @@ def test_steps_for_epochs_counts_rows_of_one_pass():
   assert packed < unpacked / 1.5
   rows = pipeline._rows_per_pass(
     TASK, (("inputs", 64), ("targets", 64)), "train", True, "encoder_decoder"
-  )
+  ).rows
   assert packed == round(2 * rows / 8)
   half = pipeline.steps_for_epochs(
     0.5, mixture_or_task_name=TASK, task_feature_lengths={"inputs": 64, "targets": 64}, batch_size=8
@@ -304,6 +305,44 @@ def test_steps_for_epochs_counts_rows_of_one_pass():
     2, mixture_or_task_name=TASK, task_feature_lengths=lengths, batch_size=8, max_steps=packed
   )
   assert uncapped == packed
+
+
+def test_a_pass_counts_examples_and_the_share_of_each_row_they_fill():
+  unpacked = pipeline._rows_per_pass(
+    TASK, (("inputs", 64), ("targets", 64)), "train", False, "encoder_decoder"
+  )
+  # Byte tokens: each text's bytes and its EOS, in rows of 64.
+  tokens = sum(len(f"train example {i} " + "x" * (i % 7)) + 1 for i in range(NUM_TRAIN))
+  assert unpacked.rows == unpacked.examples == NUM_TRAIN
+  assert unpacked.fill == pytest.approx(
+    {"inputs": tokens / (NUM_TRAIN * 64)} | {"targets": tokens / (NUM_TRAIN * 64)}
+  )
+  decoder_only = pipeline._rows_per_pass(
+    TASK, (("inputs", 64), ("targets", 64)), "train", True, "decoder_only"
+  )
+  assert decoder_only.examples == NUM_TRAIN and set(decoder_only.fill) == {"targets"}
+  assert decoder_only.packing_hint({"inputs": 64, "targets": 64}) == ""
+
+
+def test_the_start_up_line_says_when_the_targets_length_limits_packing():
+  # Targets as long as the inputs (about 21 bytes) in 32 slots: one example a row, where
+  # 128 input slots could hold about six.
+  cramped = pipeline._rows_per_pass(
+    TASK, (("inputs", 128), ("targets", 32)), "train", True, "encoder_decoder"
+  )
+  assert cramped.rows == cramped.examples == NUM_TRAIN
+  hint = cramped.packing_hint({"inputs": 128, "targets": 32})
+  found = re.search(
+    r"packs 1\.0 examples a row where the inputs could hold ([\d.]+): "
+    r"TASK_FEATURE_LENGTHS 'targets': (\d+) would pack",
+    hint,
+  )
+  assert found and 5 < float(found[1]) < 7, hint
+  roomy = pipeline._rows_per_pass(
+    TASK, (("inputs", 128), ("targets", int(found[2]))), "train", True, "encoder_decoder"
+  )
+  assert roomy.examples == NUM_TRAIN and roomy.rows < NUM_TRAIN / 3  # the advice works
+  assert roomy.packing_hint({"inputs": 128, "targets": int(found[2])}) == ""
 
 
 def test_steps_for_epochs_rejects_bad_numbers_and_names():

@@ -337,10 +337,13 @@ def test_recipes_pretrain_then_train_each_kind_of_task(tmp_path):
   (work / "my_tasks.py").write_text(_MY_TASKS_PY)
   output = _run(NEW_TASK_COMMAND + _TINY + " --gin.EPOCHS=2", work, cache)
   counted = re.search(
-    r"2 epochs of my_task \(train\): (\d+) rows of .* per pass, (\d+) steps", output
+    r"2 epochs of my_task \(train\): (\d+) rows of .* per pass "
+    r"\((\d+) examples; rows full: inputs \d+%, targets \d+%\), (\d+) steps",
+    output,
   )
   assert counted, output[-3000:]
-  rows, steps = map(int, counted.groups())
+  rows, examples, steps = map(int, counted.groups())
+  assert examples == 24 and rows <= examples
   assert steps == max(1, round(2 * rows / 4))  # two passes in batches of 4 rows
   trained = max(r["step"] for r in _records(work / "runs/my_task/metrics.jsonl"))
   assert trained == steps

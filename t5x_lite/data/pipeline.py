@@ -660,12 +660,53 @@ class TrainIterator:
 
 _LOGGED_STEPS: set[tuple] = set()
 
+# The model features whose non-padding share says how full a row is, and what a user
+# calls them in TASK_FEATURE_LENGTHS (encoder-decoder; a decoder-only row is one feature).
+_ROW_FEATURES = {"encoder_input_tokens": "inputs", "decoder_target_tokens": "targets"}
+
+
+@dataclasses.dataclass(frozen=True)
+class PassCount:
+  """What one pass over a split fills, counted as training reads it.
+
+  Attributes:
+    rows: rows of the model's features (packed ones hold several examples).
+    examples: examples in those rows (their segments; one per row unpacked).
+    fill: task feature ('inputs', 'targets'; 'targets' alone for a decoder-only row) ->
+      the share of its row length that holds tokens, not padding.
+  """
+
+  rows: int
+  examples: int
+  fill: Mapping[str, float]
+
+  def packing_hint(self, lengths: Mapping[str, int]) -> str:
+    """A clause saying the targets length keeps packed inputs mostly padding, or ''.
+
+    A classification task given a few target tokens packs about one example per row
+    however short its inputs: the targets fill first and the encoder runs over padding.
+    The clause gives the targets length that would let the inputs fill.
+    """
+    if not {"inputs", "targets"} <= self.fill.keys() or not self.examples:
+      return ""
+    # Tokens an example takes in each feature, and how many examples a row could hold.
+    used = {f: self.fill[f] * lengths[f] * self.rows / self.examples for f in self.fill}
+    fits = {f: lengths[f] / max(used[f], 1e-9) for f in self.fill}
+    if fits["inputs"] < 1.5 or fits["inputs"] < 1.3 * fits["targets"]:
+      return ""
+    wanted = -(-int(fits["inputs"] * used["targets"]) // 8) * 8  # a multiple of 8
+    return (
+      f"; the targets length packs {self.examples / self.rows:.1f} examples a row where "
+      f"the inputs could hold {fits['inputs']:.1f}: TASK_FEATURE_LENGTHS 'targets': "
+      f"{wanted} would pack more into fewer rows"
+    )
+
 
 @functools.lru_cache(maxsize=None)
 def _rows_per_pass(
   name: str, lengths: tuple[tuple[str, int], ...], split: str, pack: bool, architecture: str
-) -> int:
-  """Rows (packed if `pack`) that one pass over `split` of task/mixture `name` fills."""
+) -> PassCount:
+  """What one pass over `split` of task/mixture `name` fills (rows packed if `pack`)."""
   config = DatasetConfig(
     name, dict(lengths), 1, split=split, shuffle=False, pack=pack, architecture=architecture
   )
@@ -679,7 +720,23 @@ def _rows_per_pass(
       num_epochs=1,
       seed=config.seed,
     )
-  return int(dataset.reduce(np.int64(0), lambda count, _: count + 1).numpy())
+  features = [f for f in _ROW_FEATURES if f in dataset.element_spec]
+  segments = "decoder_segment_ids" if "decoder_segment_ids" in dataset.element_spec else None
+
+  def add(counts, row):
+    # counts: [rows, examples, non-padding tokens of each of `features`...] int64
+    examples = tf.reduce_max(row[segments]) if segments else tf.constant(1, tf.int32)
+    tokens = [tf.math.count_nonzero(row[f]) for f in features]
+    return tf.stack([np.int64(1), tf.cast(examples, tf.int64), *tokens]) + counts
+
+  counts = dataset.reduce(np.zeros(2 + len(features), np.int64), add).numpy()
+  rows = int(counts[0])
+  fill = {
+    _ROW_FEATURES[f] if len(features) > 1 else "targets": float(n)
+    / max(1, rows * dataset.element_spec[f].shape[-1])
+    for f, n in zip(features, counts[2:])
+  }
+  return PassCount(rows=rows, examples=int(counts[1]), fill=fill)
 
 
 def _gin_binding(configurable: str, parameter: str) -> str:
@@ -747,26 +804,32 @@ def steps_for_epochs(
         f"{' or None' if name == 'max_steps' else ''}, got {value}."
       )
   get_mixture_or_task(mixture_or_task_name)  # an unknown name: the closest registered ones
-  rows = _rows_per_pass(
+  counted = _rows_per_pass(
     mixture_or_task_name, tuple(sorted(task_feature_lengths.items())), split, pack, architecture
   )
+  rows = counted.rows
   steps = max(1, round(epochs * rows / batch_size))
   limit = steps if max_steps is None else min(steps, max_steps)
   key = (mixture_or_task_name, split, epochs, rows, batch_size, max_steps)
   if key not in _LOGGED_STEPS:  # gin resolves a macro at each use: say it once
     _LOGGED_STEPS.add(key)
+    fill = ", ".join(f"{name} {share:.0%}" for name, share in counted.fill.items())
     logging.info(
-      "%g epochs of %s (%s): %d rows of %s per pass, %d steps of %d rows%s.",
+      "%g epochs of %s (%s): %d rows of %s per pass (%d examples; rows full: %s), "
+      "%d steps of %d rows%s%s.",
       epochs,
       mixture_or_task_name,
       split,
       rows,
       dict(task_feature_lengths),
+      counted.examples,
+      fill,
       steps,
       batch_size,
       f"; capped at max_steps={limit} ({limit * batch_size / rows:.2g} epochs)"
       if limit < steps
       else "",
+      counted.packing_hint(task_feature_lengths) if pack else "",
     )
   return limit
 
