@@ -287,7 +287,7 @@ def test_steps_for_epochs_counts_rows_of_one_pass():
     2, mixture_or_task_name=TASK, task_feature_lengths={"inputs": 64, "targets": 64}, batch_size=8
   )
   assert packed < unpacked / 1.5
-  rows = pipeline._rows_per_pass(
+  rows = pipeline._pass_count(
     TASK, (("inputs", 64), ("targets", 64)), "train", True, "encoder_decoder"
   ).rows
   assert packed == round(2 * rows / 8)
@@ -308,7 +308,7 @@ def test_steps_for_epochs_counts_rows_of_one_pass():
 
 
 def test_a_pass_counts_examples_and_the_share_of_each_row_they_fill():
-  unpacked = pipeline._rows_per_pass(
+  unpacked = pipeline._pass_count(
     TASK, (("inputs", 64), ("targets", 64)), "train", False, "encoder_decoder"
   )
   # Byte tokens: each text's bytes and its EOS, in rows of 64.
@@ -317,7 +317,7 @@ def test_a_pass_counts_examples_and_the_share_of_each_row_they_fill():
   assert unpacked.fill == pytest.approx(
     {"inputs": tokens / (NUM_TRAIN * 64)} | {"targets": tokens / (NUM_TRAIN * 64)}
   )
-  decoder_only = pipeline._rows_per_pass(
+  decoder_only = pipeline._pass_count(
     TASK, (("inputs", 64), ("targets", 64)), "train", True, "decoder_only"
   )
   assert decoder_only.examples == NUM_TRAIN and set(decoder_only.fill) == {"targets"}
@@ -327,7 +327,7 @@ def test_a_pass_counts_examples_and_the_share_of_each_row_they_fill():
 def test_the_start_up_line_says_when_the_targets_length_limits_packing():
   # Targets as long as the inputs (about 21 bytes) in 32 slots: one example a row, where
   # 128 input slots could hold about six.
-  cramped = pipeline._rows_per_pass(
+  cramped = pipeline._pass_count(
     TASK, (("inputs", 128), ("targets", 32)), "train", True, "encoder_decoder"
   )
   assert cramped.rows == cramped.examples == NUM_TRAIN
@@ -338,7 +338,7 @@ def test_the_start_up_line_says_when_the_targets_length_limits_packing():
     hint,
   )
   assert found and 5 < float(found[1]) < 7, hint
-  roomy = pipeline._rows_per_pass(
+  roomy = pipeline._pass_count(
     TASK, (("inputs", 128), ("targets", int(found[2]))), "train", True, "encoder_decoder"
   )
   assert roomy.examples == NUM_TRAIN and roomy.rows < NUM_TRAIN / 3  # the advice works

@@ -703,7 +703,7 @@ class PassCount:
 
 
 @functools.lru_cache(maxsize=None)
-def _rows_per_pass(
+def _pass_count(
   name: str, lengths: tuple[tuple[str, int], ...], split: str, pack: bool, architecture: str
 ) -> PassCount:
   """What one pass over `split` of task/mixture `name` fills (rows packed if `pack`)."""
@@ -804,7 +804,7 @@ def steps_for_epochs(
         f"{' or None' if name == 'max_steps' else ''}, got {value}."
       )
   get_mixture_or_task(mixture_or_task_name)  # an unknown name: the closest registered ones
-  counted = _rows_per_pass(
+  counted = _pass_count(
     mixture_or_task_name, tuple(sorted(task_feature_lengths.items())), split, pack, architecture
   )
   rows = counted.rows
