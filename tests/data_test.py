@@ -314,9 +314,8 @@ def test_a_pass_counts_examples_and_the_share_of_each_row_they_fill():
   # Byte tokens: each text's bytes and its EOS, in rows of 64.
   tokens = sum(len(f"train example {i} " + "x" * (i % 7)) + 1 for i in range(NUM_TRAIN))
   assert unpacked.rows == unpacked.examples == NUM_TRAIN
-  assert unpacked.fill == pytest.approx(
-    {"inputs": tokens / (NUM_TRAIN * 64)} | {"targets": tokens / (NUM_TRAIN * 64)}
-  )
+  share = tokens / (NUM_TRAIN * 64)
+  assert unpacked.fill == pytest.approx({"inputs": share, "targets": share})
   decoder_only = pipeline._pass_count(
     TASK, (("inputs", 64), ("targets", 64)), "train", True, "decoder_only"
   )
@@ -324,7 +323,7 @@ def test_a_pass_counts_examples_and_the_share_of_each_row_they_fill():
   assert decoder_only.packing_hint({"inputs": 64, "targets": 64}) == ""
 
 
-def test_the_start_up_line_says_when_the_targets_length_limits_packing():
+def test_the_packing_hint_names_a_targets_length_that_packs_more():
   # Targets as long as the inputs (about 21 bytes) in 32 slots: one example a row, where
   # 128 input slots could hold about six.
   cramped = pipeline._pass_count(
