@@ -141,27 +141,6 @@ def resolved_macro(value: Any) -> Any:
   return value
 
 
-def binding_name(configurable: str, parameter: str) -> str:
-  """The gin binding a user edits for `parameter` of the `configurable` being called.
-
-  Inside a call that gin makes under a scope (`@train_length/steps_for_epochs()`), the
-  scoped binding and the macro it reads, if it reads one, e.g.
-  "gin binding train_length/steps_for_epochs.epochs (= %EPOCHS)"; an unscoped binding
-  when only that is set; outside gin, the bare parameter.
-  """
-  scope = gin.current_scope_str()
-  keys = [f"{scope}/{configurable}.{parameter}"] if scope else []
-  for key in [*keys, f"{configurable}.{parameter}"]:
-    try:
-      value = gin.query_parameter(key)
-    except ValueError:  # not bound under this key
-      continue
-    if isinstance(value, gin.config.ConfigurableReference) and value.selector == "gin.macro":
-      return f"gin binding {key} (= %{'/'.join(value.scopes)})"
-    return f"gin binding {key}"
-  return f"{configurable}'s {parameter}"
-
-
 def unset_required_macros() -> list[str]:
   """Names of the gin macros still set to `%gin.REQUIRED` after parsing, sorted."""
   config = gin.config._CONFIG  # pylint: disable=protected-access
