@@ -29,7 +29,8 @@ from absl import app, flags, logging
 
 from t5x_lite.core import console
 from t5x_lite.core.errors import ConfigError
-from t5x_lite.core.gin_config import check_required_macros, parse_gin_flags, resolved_macro, run_app
+from t5x_lite.core.gin_config import check_required_macros, parse_gin_flags, run_app
+from t5x_lite.core.gin_refs import resolved_macro
 
 # How gin's RuntimeError for an unbound `gin.REQUIRED` Python default begins.
 _GIN_MISSING_BINDINGS = "Required bindings for"

@@ -13,9 +13,10 @@ T5X-style flags, defined here:
                             relative to the working directory are tried first)
                             (so `include 't5_1_1/small.gin'` works)
 
-Imports only gin, absl and `t5x_lite.core.errors`, so a tool that needs a gin-configured
-network loads neither seqio, TensorFlow nor JAX through it. The entry points'
-other flags and their start-up are `t5x_lite.cli`.
+Imports only gin, absl, `t5x_lite.core.errors` and `t5x_lite.core.gin_refs` (reading the
+parsed configuration back; flag-free, so any layer may import it), so a tool that needs a
+gin-configured network loads neither seqio, TensorFlow nor JAX through it. The entry
+points' other flags and their start-up are `t5x_lite.cli`.
 
 Use: `run_app(main)` as the tool's `app.run`; `parse_gin_flags()` first in `main`,
 after importing every module whose configurables the gin files name.
@@ -35,6 +36,7 @@ import gin.resource_reader as resource_reader
 from absl import app, flags
 
 from t5x_lite.core import errors
+from t5x_lite.core.gin_refs import resolved_macro
 from t5x_lite.core.errors import ConfigError
 
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # t5x_lite/
@@ -130,15 +132,6 @@ def _use_safe_package_reader() -> None:
   for i, (reader, exists) in enumerate(readers):
     if exists is resource_reader.system_path_file_exists:
       readers[i] = (reader, _package_resource_exists)
-
-
-def resolved_macro(value: Any) -> Any:
-  """The value a gin macro evaluates to, following `%OTHER` and `%gin.REQUIRED`."""
-  while isinstance(value, gin.config.ConfigurableReference) and value.evaluate:
-    if value.selector not in ("gin.macro", "gin.constant"):
-      return value
-    value = value.scoped_configurable_fn()
-  return value
 
 
 def unset_required_macros() -> list[str]:

@@ -66,6 +66,7 @@ from jax.sharding import Sharding
 from t5x_lite.nn import network
 from t5x_lite.data import packing, preprocessors
 from t5x_lite.core.errors import ConfigError
+from t5x_lite.core.gin_refs import binding_name
 from t5x_lite.core.types import GIN_REQUIRED
 
 CHECKPOINT_MODES = ("iterator", "skip")
@@ -739,27 +740,6 @@ def _pass_count(
   return PassCount(rows=rows, examples=int(counts[1]), fill=fill)
 
 
-def _gin_binding(configurable: str, parameter: str) -> str:
-  """The gin binding a user edits for `parameter` of the `configurable` being called.
-
-  Inside a call that gin makes under a scope (`@train_length/steps_for_epochs()`), this is
-  the scoped binding, and the macro it reads when it reads one, e.g.
-  "train_length/steps_for_epochs.epochs (= %EPOCHS)"; outside gin, the bare parameter.
-  """
-  scope = gin.current_scope_str()
-  for key in ([f"{scope}/{configurable}.{parameter}"] if scope else []) + [
-    f"{configurable}.{parameter}"
-  ]:
-    try:
-      value = gin.query_parameter(key)
-    except ValueError:
-      continue
-    if getattr(value, "config_key", (None, None))[1] == "gin.macro":
-      return f"gin binding {key} (= %{'/'.join(value.scopes)})"
-    return f"gin binding {key}"
-  return f"{configurable}'s {parameter}"
-
-
 @gin.configurable
 def steps_for_epochs(
   epochs: float = GIN_REQUIRED,
@@ -800,7 +780,7 @@ def steps_for_epochs(
   for name, value in (("epochs", epochs), ("batch_size", batch_size), ("max_steps", max_steps)):
     if value is not None and value <= 0:
       raise ConfigError(
-        f"{_gin_binding('steps_for_epochs', name)} must be > 0"
+        f"{binding_name('steps_for_epochs', name)} must be > 0"
         f"{' or None' if name == 'max_steps' else ''}, got {value}."
       )
   get_mixture_or_task(mixture_or_task_name)  # an unknown name: the closest registered ones
