@@ -159,6 +159,9 @@ def test_long_documents_are_cut_into_pieces_sentencepiece_keeps():
 PRETRAIN_COMMAND = (
   "python -m t5x_lite.train --gin_file=recipes/pretrain.gin --data_dir=../shared/data"
 )
+PRETRAIN_CONTINUED_COMMAND = (
+  "python -m t5x_lite.train --gin_file=recipes/pretrain_continued.gin --data_dir=../shared/data"
+)
 SST2_COMMAND = "python -m t5x_lite.train --gin_file=recipes/sst2.gin --data_dir=../shared/data"
 SCRATCH = " --gin.INITIAL_CHECKPOINT_PATH=None --gin.MODEL_DIR=./runs/recipes/multi30k_scratch"
 MULTI30K_SCRATCH_COMMAND = (
@@ -245,6 +248,7 @@ def test_docs_give_the_commands_this_test_runs():
   page = " ".join((REPO / "docs/recipes.md").read_text().replace("\\\n", " ").split())
   for command in (
     PRETRAIN_COMMAND,
+    PRETRAIN_CONTINUED_COMMAND,
     SST2_COMMAND,
     MULTI30K_SCRATCH_COMMAND,
     NEW_TASK_COMMAND,
@@ -303,6 +307,11 @@ def test_recipes_pretrain_then_train_each_kind_of_task(tmp_path):
   _run(PRETRAIN_COMMAND + _TINY + _FEW_STEPS, work, cache)
   # The vocabulary was trained on first use, into the cache.
   assert [p.name for p in cache.glob("corpus_spm_150_*.model")]
+  # A second cycle starts from the first's parameters, with a fresh step count.
+  output = _run(PRETRAIN_CONTINUED_COMMAND + _TINY + _FEW_STEPS, work, cache)
+  assert "Fine-tuning from ./runs/recipes/pretrained (params)" in output
+  continued = _records(work / "runs/recipes/pretrained_continued/metrics.jsonl")
+  assert [r["step"] for r in continued if r["split"] == "eval"] == [2]
   # Learning rate 0: the fine-tuned parameters must be the pre-trained ones, bit for bit;
   # the validation metric is computed at every evaluation and the best step kept.
   output = _run(
