@@ -36,8 +36,8 @@ import gin.resource_reader as resource_reader
 from absl import app, flags
 
 from t5x_lite.core import errors
-from t5x_lite.core.gin_refs import resolved_macro
 from t5x_lite.core.errors import ConfigError
+from t5x_lite.core.gin_refs import resolved_macro
 
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # t5x_lite/
 REPO_GIN_DIR = os.path.join(os.path.dirname(_PACKAGE_DIR), "gin")
