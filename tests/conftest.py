@@ -37,8 +37,8 @@ def clean_gin():
   gin.clear_config()
 
 
-# The documentation test's two halves (readme_flow_test.HALVES) take about six minutes
-# each, far longer than any other test. With `-n N --dist worksteal` (the suite's
+# The documentation test's two halves (readme_flow_test.HALVES) are the longest tests,
+# the first by far. With `-n N --dist worksteal` (the suite's
 # command) worker k starts with the k-th N-th of the collection; putting one half at the
 # start of each of the first two shares runs them side by side from the start, the
 # short tests filling in around them.

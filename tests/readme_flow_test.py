@@ -57,9 +57,10 @@ NOT_WALKED = {
   "tools/benchmark.py tiny, tests/gpu_benchmark_test.py tools/gpu_benchmark.sh --dry_run, "
   "tests/attention_benchmark_test.py tools/attention_benchmark.py",
 }
-# The two halves, one per pytest-xdist worker, of similar time (docs/training.md alone
-# holds about twenty training commands): the second starts with the README's quickstart
-# (the only earlier command its pages use) and then runs its own pages.
+# The two halves, one per pytest-xdist worker, the first the longer (docs/training.md
+# alone holds about twenty training commands; the other worker fills in around it with
+# shorter tests): the second starts with the README's quickstart (the only earlier
+# command its pages use) and then runs its own pages.
 HALVES = (DOCUMENTS[:3], DOCUMENTS[3:])
 
 # What the README documents for trying a command quickly, by entry point.
