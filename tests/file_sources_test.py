@@ -108,3 +108,54 @@ def test_a_file_without_examples_names_the_file_and_line(tmp_path):
     file_sources.read_jsonl(str(tmp_path / "empty.jsonl"), {"inputs": "a"})
   with pytest.raises(file_sources.DataFileError, match="empty.tsv:1: the file is empty"):
     file_sources.read_parallel(str(tmp_path / "empty.tsv"), str(tmp_path / "empty.tsv"), "a", "b")
+
+
+def _labelled_tsv(tmp_path, n: int = 100):
+  """A TSV sorted by label: the first half 0, the second 1."""
+  rows = [f"s{i}\t{int(i >= n // 2)}" for i in range(n)]
+  (tmp_path / "train.tsv").write_text("sentence\tlabel\n" + "\n".join(rows) + "\n")
+  (tmp_path / "dev.tsv").write_text("sentence\tlabel\n" + "\n".join(rows[:8]) + "\n")
+  return file_sources.TsvSource(
+    {"train": "train.tsv", "validation": "dev.tsv"}, data_dir=str(tmp_path)
+  )
+
+
+def test_complementary_slices_partition_a_split_and_a_sorted_file_splits_fairly(tmp_path):
+  source = _labelled_tsv(tmp_path)
+  kept, held = source.records("train[:90%]"), source.records("train[90%:]")
+  whole = source.records("train")["sentence"]
+  assert len(kept["sentence"]) == 90 and len(held["sentence"]) == 10
+  assert sorted(kept["sentence"] + held["sentence"]) == sorted(whole)
+  assert not set(kept["sentence"]) & set(held["sentence"])
+  assert set(held["label"]) == {"0", "1"}  # not the file's last tenth, all label 1
+  # Within a slice the records keep their file order.
+  assert held["sentence"] == [s for s in whole if s in set(held["sentence"])]
+  assert source.num_input_examples("train[:90%]") == 90
+  assert len(source.records("train[10:30]")["sentence"]) == 20
+  assert source.records("train[:100%]")["sentence"] == whole
+  # The order depends only on the number of records: the same slice of another file.
+  other = file_sources.slice_indices(100, "90%", "", "train[90%:]")
+  assert [whole[i] for i in other] == held["sentence"]
+
+
+def test_slices_are_splits_to_seqio_and_read_as_datasets(tmp_path):
+  source = _labelled_tsv(tmp_path)
+  assert "train[90%:]" in source.splits and "validation[:4]" in source.splits
+  assert "test[:4]" not in source.splits and "train[" not in source.splits
+  assert list(source.splits) == ["train", "validation"]
+  dataset = source.get_dataset("train[:25%]", shuffle=False)
+  sentences = [x["sentence"].decode() for x in dataset.as_numpy_iterator()]
+  assert sentences == source.records("train[:25%]")["sentence"] and len(sentences) == 25
+
+
+@pytest.mark.parametrize(
+  "split, message",
+  [
+    ("test[:5]", r"Unknown split 'test\[:5\]'; this source has \['train', 'validation'\]"),
+    ("train[:x]", r"Split 'train\[:x\]': slice bounds are record counts or percentages"),
+    ("train[:101%]", r"a percentage bound is at most 100%"),
+  ],
+)
+def test_a_bad_slice_is_one_line_naming_it(tmp_path, split, message):
+  with pytest.raises(ConfigError, match=message):
+    _labelled_tsv(tmp_path).records(split)

@@ -168,6 +168,8 @@ MULTI30K_SCRATCH_COMMAND = (
   "python -m t5x_lite.train --gin_file=recipes/multi30k.gin --data_dir=../shared/data" + SCRATCH
 )
 NEW_TASK_COMMAND = "python -m t5x_lite.train --gin_file=my_task.gin --data_dir=my_data"
+# What recipes.md adds to choose the best step on a slice held out of the training data.
+HOLDOUT = ' --gin.TRAIN_SPLIT="\'train[:90%]\'" --gin.SELECTION_SPLIT="\'train[90%:]\'"'
 PRETRAIN_ELECTRA_COMMAND = (
   "python -m t5x_lite.train --gin_file=recipes/pretrain_electra.gin --data_dir=../shared/data"
 )
@@ -256,6 +258,7 @@ def test_docs_give_the_commands_this_test_runs():
     RTE_FROM_ELECTRA_COMMAND,
   ):
     assert command in page, command
+  assert NEW_TASK_COMMAND + HOLDOUT in page
   assert _MY_TASK_GIN.strip() in (REPO / "docs/recipes.md").read_text()
 
 
@@ -344,15 +347,21 @@ def test_recipes_pretrain_then_train_each_kind_of_task(tmp_path):
     (my_data / name).write_text("sentence\tlabel\n" + "\n".join(rows) + "\n")
   (work / "my_task.gin").write_text(_MY_TASK_GIN)
   (work / "my_tasks.py").write_text(_MY_TASKS_PY)
-  output = _run(NEW_TASK_COMMAND + _TINY + " --gin.EPOCHS=2", work, cache)
+  # Trained on 90% of the training rows, the best step chosen on the other 10%, and
+  # that step evaluated on validation at the end.
+  output = _run(NEW_TASK_COMMAND + _TINY + " --gin.EPOCHS=2" + HOLDOUT, work, cache)
   counted = re.search(
-    r"2 epochs of my_task \(train\): (\d+) rows of .* per pass "
+    r"2 epochs of my_task \(train\[:90%\]\): (\d+) rows of .* per pass "
     r"\((\d+) examples; rows full: inputs \d+%, targets \d+%\), (\d+) steps",
     output,
   )
   assert counted, output[-3000:]
   rows, examples, steps = map(int, counted.groups())
-  assert examples == 24 and rows <= examples
+  assert examples == 22 and rows <= examples  # round(24 * 0.9)
+  assert re.search(r"Evaluating my_task \(train\[90%:\]\): 2 examples", output)
+  assert re.search(r"Evaluating my_task \(validation\): 24 examples", output)
+  final = json.loads((work / "runs/my_task/final_metrics.json").read_text())
+  assert final["split"] == "validation"
   assert steps == max(1, round(2 * rows / 4))  # two passes in batches of 4 rows
   trained = max(r["step"] for r in _records(work / "runs/my_task/metrics.jsonl"))
   assert trained == steps

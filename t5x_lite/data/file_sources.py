@@ -15,6 +15,14 @@ rates; they suit files up to a few million rows.
 
 A UTF-8 byte-order mark at the start of a file is dropped.
 
+Those three also serve slices of their splits, named as TFDS names them: `train[:90%]`
+and `train[90%:]` (percentages), `train[:500]` (record counts). A slice is taken from
+the split's records in a fixed pseudo-random order that depends only on their number,
+so complementary slices partition the split and a file sorted by label splits fairly
+(TFDS slices are contiguous instead); within a slice the records keep their file order.
+Hold out a slice of the training data to choose the best step on (`train[90%:]`) and the
+figure reported on validation is not one the choice was made on.
+
 Relative file names are resolved against a data directory at the time the
 dataset is built (so gin files parsed after registration apply): the source's
 `data_dir` argument if given, else the gin parameter `local_data_dir.path`,
@@ -23,11 +31,13 @@ directory (the layout of this project's example data).
 """
 
 import gzip
+import hashlib
 import json
 import os
+import re
 import zlib
 from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
-from typing import Optional, TypeAlias
+from typing import Optional, TypeAlias, cast
 
 import gin
 import seqio
@@ -304,6 +314,71 @@ def _column(values: list[str] | list[list[str]]) -> tf.Tensor | tf.RaggedTensor:
   return tf.constant(values, tf.string, shape=[len(values)])
 
 
+_SLICE = re.compile(r"^(?P<base>[^\[\]]+)\[(?P<start>[^:\[\]]*):(?P<stop>[^:\[\]]*)\]$")
+_BOUND = re.compile(r"^(?P<value>\d+)(?P<percent>%?)$")
+
+
+def split_slice(split: str) -> Optional[tuple[str, str, str]]:
+  """(base split, start, stop) of a slice name such as 'train[:90%]', else None."""
+  match = _SLICE.match(split)
+  return (match["base"], match["start"], match["stop"]) if match else None
+
+
+def _bound(text: str, n: int, split: str) -> Optional[int]:
+  """A slice bound as a record index of a split of `n` records (None: open)."""
+  if not text:
+    return None
+  match = _BOUND.match(text.strip())
+  if not match:
+    raise ConfigError(
+      f"Split {split!r}: slice bounds are record counts or percentages, e.g. "
+      "'train[:90%]', 'train[90%:]' or 'train[:500]'."
+    )
+  value = int(match["value"])
+  if match["percent"]:
+    if value > 100:
+      raise ConfigError(f"Split {split!r}: a percentage bound is at most 100%.")
+    return round(n * value / 100)
+  return min(value, n)
+
+
+def slice_indices(n: int, start: str, stop: str, split: str) -> list[int]:
+  """Record indices, in file order, of the slice [start:stop] of a split of `n` records.
+
+  The slice is cut from the records in a fixed pseudo-random order (each index ranked by
+  a hash of itself), so it depends only on `n`, and complementary slices partition the
+  split.
+
+  Args:
+    n: the split's number of records.
+    start: the start bound ('' for the beginning, '90%' or '500').
+    stop: the stop bound ('' for the end).
+    split: the slice's name, for errors.
+
+  Returns:
+    Sorted indices into the split's records.
+
+  Raises:
+    ConfigError: for a malformed bound.
+  """
+  order = sorted(range(n), key=lambda i: hashlib.blake2b(str(i).encode(), digest_size=8).digest())
+  return sorted(order[_bound(start, n, split) : _bound(stop, n, split)])
+
+
+class SplitNames(tuple):
+  """A source's split names; `in` also finds slices of them ('train[:90%]').
+
+  seqio asks `split in task.splits` before it reads or evaluates a split; iterating
+  gives the declared names only.
+  """
+
+  def __contains__(self, split: object) -> bool:
+    if tuple.__contains__(self, split):
+      return True
+    sliced = split_slice(split) if isinstance(split, str) else None
+    return sliced is not None and tuple.__contains__(self, sliced[0])
+
+
 class InMemorySource(seqio.FunctionDataSource):
   """A source whose records are built in Python, kept in memory, and split.
 
@@ -317,17 +392,38 @@ class InMemorySource(seqio.FunctionDataSource):
     self._loaded: dict[Hashable, Columns] = {}
     super().__init__(dataset_fn=self._dataset_fn, splits=splits)
 
+  @property
+  def splits(self) -> SplitNames:
+    """The declared split names; `in` also accepts slices of them."""
+    return SplitNames(super().splits)
+
   def _cache_key(self, split: str) -> Hashable:
     """Records are rebuilt when this changes (files sources: paths and mtimes)."""
     return split
 
   def records(self, split: str) -> Columns:
-    """The split's records (built on first call)."""
-    if split not in self.splits:
-      raise ConfigError(f"Unknown split {split!r}; this source has {list(self.splits)}.")
-    key = self._cache_key(split)
+    """The split's records, or a slice's (built on first call)."""
+    declared = tuple(self.splits)
+    sliced = None if split in declared else split_slice(split)
+    if split not in declared and (sliced is None or sliced[0] not in declared):
+      raise ConfigError(
+        f"Unknown split {split!r}; this source has {list(declared)} and slices of them "
+        "(e.g. 'train[:90%]')."
+      )
+    if sliced is None:
+      key = self._cache_key(split)
+      if key not in self._loaded:
+        self._loaded[key] = self._load(split)
+      return self._loaded[key]
+    base, start, stop = sliced
+    whole = self.records(base)
+    key = (self._cache_key(base), split)
     if key not in self._loaded:
-      self._loaded[key] = self._load(split)
+      indices = slice_indices(len(next(iter(whole.values()), [])), start, stop, split)
+      # Each column keeps its kind (strings, or lists of strings) through the slice.
+      self._loaded[key] = cast(
+        Columns, {name: [values[i] for i in indices] for name, values in whole.items()}
+      )
     return self._loaded[key]
 
   def num_input_examples(self, split: str) -> int:
