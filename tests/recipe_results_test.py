@@ -46,7 +46,22 @@ def test_groups_give_mean_and_standard_error(tmp_path):
   table = recipe_results.groups_table(
     [("pre", [recipe_results.run_summary(str(tmp_path / d)) for d in "ab"])]
   )
-  assert "| pre | 2 | task_a/accuracy | 81.0 ± 1.0 | 79.0 ± 1.0 (test) | 3.0 |" in table
+  assert (
+    "| pre | 2 | task_a/accuracy | 81.0 ± 1.0 (validation) | 79.0 ± 1.0 (test) | 3.0 |" in table
+  )
+
+
+def test_the_split_that_chose_the_best_step_is_read_from_the_runs_config(tmp_path):
+  _write_run(tmp_path / "a", 80.0, 78.0)
+  assert recipe_results.selection_split(str(tmp_path / "a")) == "validation"  # no config.gin
+  (tmp_path / "a" / "config.gin").write_text(
+    "# Macros:\nSELECTION_SPLIT = 'train[90%:]'\n"
+    "infer_eval/DatasetConfig.split = %SELECTION_SPLIT\n"
+  )
+  table = recipe_results.runs_table([recipe_results.run_summary(str(tmp_path / "a"))])
+  assert "| 20 (30) | 80.0 (train[90%:]) | 78.0 (test) |" in table
+  (tmp_path / "a" / "config.gin").write_text("infer_eval/DatasetConfig.split = 'validation'\n")
+  assert recipe_results.selection_split(str(tmp_path / "a")) == "validation"
 
 
 def test_a_directory_that_is_not_a_finished_run_is_one_error_line(tmp_path):

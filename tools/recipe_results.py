@@ -7,8 +7,9 @@ r"""Tables of finished recipe runs, from what training wrote to their MODEL_DIRs
   python tools/recipe_results.py --paired runs/recipes/multi30k_scratch runs/recipes/multi30k
 
 Without --groups: one markdown row per MODEL_DIR with the metric that picked the
-best step (best.json), that step's validation value, the final evaluation of the
-best step (final_metrics.json), the minutes to the best step and in all
+best step (best.json), that step's value on the split that chose it (validation, or
+the recipe's SELECTION_SPLIT, read from the run's config.gin), the final evaluation of
+the best step (final_metrics.json), the minutes to the best step and in all
 (metrics.jsonl's `elapsed_s`), and the token slots trained on. With --groups:
 one row per label, the mean and standard error (sample standard deviation over
 sqrt(n)) of the validation and final values over its runs, e.g. two seeds. With
@@ -58,6 +59,27 @@ def _elapsed_by_step(model_dir: str) -> dict[int, float]:
   return elapsed
 
 
+_SELECTION_BINDING = "infer_eval/DatasetConfig.split"
+
+
+def selection_split(model_dir: str) -> str:
+  """The split whose metric chose the best step: `infer_eval/DatasetConfig.split` in the
+  run's config.gin (through its macro, e.g. SELECTION_SPLIT), else 'validation'."""
+  try:
+    with open(os.path.join(model_dir, "config.gin"), encoding="utf-8") as f:
+      bindings = dict(
+        (name.strip(), value.strip())
+        for name, sep, value in (line.partition("=") for line in f)
+        if sep and not name.lstrip().startswith("#")
+      )
+  except FileNotFoundError:
+    return "validation"
+  value = bindings.get(_SELECTION_BINDING, "'validation'")
+  if value.startswith("%"):
+    value = bindings.get(value[1:], "'validation'")
+  return value.strip("'\"")
+
+
 def run_summary(model_dir: str) -> dict[str, Any]:
   """What one finished run reached: metric, best step, values, minutes, tokens."""
   best = _read_json(os.path.join(model_dir, "best.json"))
@@ -71,6 +93,7 @@ def run_summary(model_dir: str) -> dict[str, Any]:
     "metric": metric,
     "best_step": step,
     "validation": best["best_value"],
+    "selection_split": selection_split(model_dir),
     "final": final_values.get(metric),
     "final_all": final_values,
     "final_split": final.get("split"),
@@ -87,14 +110,15 @@ def _fmt(value: float | None, digits: int = 1) -> str:
 def runs_table(summaries: Sequence[dict[str, Any]]) -> str:
   """One markdown row per run."""
   rows = [
-    "| run | metric | best step (of last) | validation | final (split) "
+    "| run | metric | best step (of last) | best (split that chose it) | final (split) "
     "| minutes to best | minutes |",
     "|---|---|---|---|---|---|---|",
   ]
   for s in summaries:
     rows.append(
       f"| {s['run']} | {s['metric']} | {s['best_step']} ({s['last_step']}) | "
-      f"{_fmt(s['validation'])} | {_fmt(s['final'])} ({s['final_split']}) | "
+      f"{_fmt(s['validation'])} ({s['selection_split']}) | "
+      f"{_fmt(s['final'])} ({s['final_split']}) | "
       f"{_fmt(s['minutes_to_best'])} | {_fmt(s['minutes'])} |"
     )
   return "\n".join(rows)
@@ -111,7 +135,7 @@ def mean_and_error(values: Sequence[float]) -> tuple[float, float]:
 def groups_table(groups: Sequence[tuple[str, Sequence[dict[str, Any]]]]) -> str:
   """One markdown row per labelled group of runs: mean +- standard error."""
   rows = [
-    "| runs | n | metric | validation | final (split) | minutes |",
+    "| runs | n | metric | best (split that chose it) | final (split) | minutes |",
     "|---|---|---|---|---|---|",
   ]
   for label, summaries in groups:
@@ -120,7 +144,7 @@ def groups_table(groups: Sequence[tuple[str, Sequence[dict[str, Any]]]]) -> str:
     minutes = statistics.fmean(s["minutes"] for s in summaries)
     rows.append(
       f"| {label} | {len(summaries)} | {summaries[0]['metric']} | "
-      f"{_fmt(validation[0])} ± {_fmt(validation[1])} | "
+      f"{_fmt(validation[0])} ± {_fmt(validation[1])} ({summaries[0]['selection_split']}) | "
       f"{_fmt(final[0])} ± {_fmt(final[1])} ({summaries[0]['final_split']}) | {_fmt(minutes)} |"
     )
   return "\n".join(rows)
