@@ -15,8 +15,9 @@ rates; they suit files up to a few million rows.
 
 A UTF-8 byte-order mark at the start of a file is dropped.
 
-Those three also serve slices of their splits, named as TFDS names them: `train[:90%]`
-and `train[90%:]` (percentages), `train[:500]` (record counts). A slice is taken from
+`TsvSource`, `JsonlSource` and `ParallelTextSource` also serve slices of their splits,
+named as TFDS names them: `train[:90%]` and `train[90%:]` (percentages), `train[:500]`
+(record counts). A slice is taken from
 the split's records in a fixed pseudo-random order that depends only on their number,
 so complementary slices partition the split and a file sorted by label splits fairly
 (TFDS slices are contiguous instead); within a slice the records keep their file order.
