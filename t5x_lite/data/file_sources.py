@@ -17,12 +17,12 @@ A UTF-8 byte-order mark at the start of a file is dropped.
 
 `TsvSource`, `JsonlSource` and `ParallelTextSource` also serve slices of their splits,
 named as TFDS names them: `train[:90%]` and `train[90%:]` (percentages), `train[:500]`
-(record counts). A slice is taken from
-the split's records in a fixed pseudo-random order that depends only on their number,
-so complementary slices partition the split and a file sorted by label splits fairly
-(TFDS slices are contiguous instead); within a slice the records keep their file order.
-Hold out a slice of the training data to choose the best step on (`train[90%:]`) and the
-figure reported on validation is not one the choice was made on.
+(record counts). A slice is taken from the split's records in a fixed pseudo-random
+order that depends only on their number, so complementary slices partition the split and
+a file sorted by label splits fairly (TFDS slices are contiguous instead); within a
+slice the records keep their file order. Hold out a slice of the training data to choose
+the best step on (`train[90%:]`) and the figure reported on validation is not one the
+choice was made on.
 
 Relative file names are resolved against a data directory at the time the
 dataset is built (so gin files parsed after registration apply): the source's
