@@ -154,6 +154,7 @@ def test_slices_are_splits_to_seqio_and_read_as_datasets(tmp_path):
     ("test[:5]", r"Unknown split 'test\[:5\]'; this source has \['train', 'validation'\]"),
     ("train[:x]", r"Split 'train\[:x\]': slice bounds are record counts or percentages"),
     ("train[:101%]", r"a percentage bound is at most 100%"),
+    ("train[95%:95%]", r"^Split 'train\[95%:95%\]' selects none of the 100 records of 'train'\.$"),
   ],
 )
 def test_a_bad_slice_is_one_line_naming_it(tmp_path, split, message):

@@ -31,6 +31,7 @@ else $T5X_LITE_DATA_DIR, else `../shared/data` relative to the working
 directory (the layout of this project's example data).
 """
 
+import functools
 import gzip
 import hashlib
 import json
@@ -362,8 +363,15 @@ def slice_indices(n: int, start: str, stop: str, split: str) -> list[int]:
   Raises:
     ConfigError: for a malformed bound.
   """
-  order = sorted(range(n), key=lambda i: hashlib.blake2b(str(i).encode(), digest_size=8).digest())
-  return sorted(order[_bound(start, n, split) : _bound(stop, n, split)])
+  return sorted(_hashed_order(n)[_bound(start, n, split) : _bound(stop, n, split)])
+
+
+@functools.lru_cache(maxsize=4)
+def _hashed_order(n: int) -> tuple[int, ...]:
+  """0..n-1 ranked by a hash of each index: one order shared by every slice of n records."""
+  return tuple(
+    sorted(range(n), key=lambda i: hashlib.blake2b(str(i).encode(), digest_size=8).digest())
+  )
 
 
 class SplitNames(tuple):
@@ -420,7 +428,10 @@ class InMemorySource(seqio.FunctionDataSource):
     whole = self.records(base)
     key = (self._cache_key(base), split)
     if key not in self._loaded:
-      indices = slice_indices(len(next(iter(whole.values()), [])), start, stop, split)
+      n = len(next(iter(whole.values()), []))
+      indices = slice_indices(n, start, stop, split)
+      if not indices:
+        raise ConfigError(f"Split {split!r} selects none of the {n} records of {base!r}.")
       # Each column keeps its kind (strings, or lists of strings) through the slice.
       self._loaded[key] = cast(
         Columns, {name: [values[i] for i in indices] for name, values in whole.items()}
