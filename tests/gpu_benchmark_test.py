@@ -162,8 +162,12 @@ def test_dry_run_goes_through_the_whole_script_on_the_cpu(tmp_path):
   work = pathlib.Path(os.environ["T5X_LITE_CACHE"]) / "gpu_benchmark_work"
   work.mkdir(parents=True, exist_ok=True)
   for entry in work.iterdir():
-    if entry.name != "compilation_cache":
+    if entry.name == "compilation_cache":
+      continue
+    if entry.is_dir() and not entry.is_symlink():
       shutil.rmtree(entry)
+    else:
+      entry.unlink()
   result = subprocess.run(
     [
       "bash",
