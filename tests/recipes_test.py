@@ -159,6 +159,9 @@ def test_long_documents_are_cut_into_pieces_sentencepiece_keeps():
 PRETRAIN_COMMAND = (
   "python -m t5x_lite.train --gin_file=recipes/pretrain.gin --data_dir=../shared/data"
 )
+# The recipe's length until 2026-11-30, which the "3,000 steps" rows and the second
+# cycle start from.
+PRETRAIN_3K = " --gin.TRAIN_STEPS=3000 --gin.MODEL_DIR=./runs/recipes/pretrained_3k"
 PRETRAIN_CONTINUED_COMMAND = (
   "python -m t5x_lite.train --gin_file=recipes/pretrain_continued.gin --data_dir=../shared/data"
 )
@@ -250,6 +253,7 @@ def test_docs_give_the_commands_this_test_runs():
   page = " ".join((REPO / "docs/recipes.md").read_text().replace("\\\n", " ").split())
   for command in (
     PRETRAIN_COMMAND,
+    PRETRAIN_COMMAND + PRETRAIN_3K,
     PRETRAIN_CONTINUED_COMMAND,
     SST2_COMMAND,
     MULTI30K_SCRATCH_COMMAND,
@@ -294,11 +298,16 @@ def _recipe_step_flops(gin_file: str) -> tuple[float, int]:
     gin.clear_config()
 
 
-def test_the_electra_recipe_pretrains_for_the_span_corruption_recipes_flops():
+def test_the_recipes_pretraining_lengths():
   span_flops, span_steps = _recipe_step_flops("recipes/pretrain.gin")
+  assert span_steps == 6000
+  # The second cycle and ELECTRA are compared with the 3,000-step checkpoint: the
+  # second cycle is 3,000 steps more, ELECTRA the FLOPs of 3,000 span-corruption steps.
+  _, continued_steps = _recipe_step_flops("recipes/pretrain_continued.gin")
+  assert continued_steps == 3000
   electra_flops, electra_steps = _recipe_step_flops("recipes/pretrain_electra.gin")
   assert electra_flops > span_flops  # the generator and the longer targets
-  assert electra_steps == round(span_steps * span_flops / electra_flops)
+  assert electra_steps == round(3000 * span_flops / electra_flops)
 
 
 @pytest.mark.slow
@@ -310,9 +319,12 @@ def test_recipes_pretrain_then_train_each_kind_of_task(tmp_path):
   _run(PRETRAIN_COMMAND + _TINY + _FEW_STEPS, work, cache)
   # The vocabulary was trained on first use, into the cache.
   assert [p.name for p in cache.glob("corpus_spm_150_*.model")]
-  # A second cycle starts from the first's parameters, with a fresh step count.
+  # A second cycle starts from the 3,000-step cycle's parameters, with a fresh step
+  # count. That cycle is the command above with PRETRAIN_3K, which (a few steps here)
+  # would train the same tiny model again: its folder stands in for it.
+  (work / "runs/recipes/pretrained_3k").symlink_to("pretrained")
   output = _run(PRETRAIN_CONTINUED_COMMAND + _TINY + _FEW_STEPS, work, cache)
-  assert "Fine-tuning from ./runs/recipes/pretrained (params)" in output
+  assert "Fine-tuning from ./runs/recipes/pretrained_3k (params)" in output
   continued = _records(work / "runs/recipes/pretrained_continued/metrics.jsonl")
   assert [r["step"] for r in continued if r["split"] == "eval"] == [2]
   # Learning rate 0: the fine-tuned parameters must be the pre-trained ones, bit for bit;
