@@ -13,6 +13,8 @@ to the working directory. docs/new_task.md shows how to register your own.
   local_unlabeled_span_corruption         t5x_lite.data.unlabeled_text (the input side of the
                                           files above, CPython's docs), span-corrupted: the
                                           transfer recipe's pre-training task
+  local_unlabeled_<objective>             the same text under each other objective of
+                                          t5x_lite.data.objectives (prefix_lm, bert_style, ...)
   local_unlabeled_electra                 the same text, uncorrupted, as inputs and targets:
                                           ELECTRA-style pre-training (recipes/pretrain_electra.gin)
   local_multitask        the four fine-tuning tasks above (SST-2, RTE, Multi30k, SciTLDR)
@@ -129,13 +131,16 @@ for _name, _splits in (
   )
 
 # Its raw text trains the recipe's vocabulary (tools/train_vocab.py --text_field=text).
-seqio.TaskRegistry.add(
-  "local_unlabeled_span_corruption",
-  source=unlabeled_text.UnlabeledTextSource(),
-  preprocessors=objectives.unsupervised_preprocessors("span_corruption"),
-  output_features=preprocessors.text_to_text_features(),
-  metric_fns=[],
-)
+# Each objective of the T5 study over the same text (local_unlabeled_prefix_lm, ...):
+# the objectives table at the recipes' size (docs/recipes.md).
+for _objective in objectives.UNSUPERVISED_OBJECTIVES:
+  seqio.TaskRegistry.add(
+    f"local_unlabeled_{_objective}",
+    source=unlabeled_text.UnlabeledTextSource(),
+    preprocessors=objectives.unsupervised_preprocessors(_objective),
+    output_features=objectives.objective_features(_objective),
+    metric_fns=[],
+  )
 
 # ELECTRA-style pre-training reads the same text whole; its model masks in the train step.
 seqio.TaskRegistry.add(
