@@ -129,6 +129,41 @@ def test_a_damaged_archive_is_named(tmp_path):
     source.records("train")
 
 
+def test_the_corpus_under_the_prefix_lm_objective(tmp_path, monkeypatch):
+  """local_unlabeled_prefix_lm: the objectives table's prefix LM row at the recipes' size."""
+  import seqio
+
+  import tasks  # noqa: F401  (registers the local_unlabeled_* tasks)
+  from t5x_lite.data import vocab
+
+  _write_corpus(tmp_path / "data")
+  monkeypatch.setenv(file_sources.DATA_DIR_ENV, str(tmp_path / "data"))
+  vocabulary = vocab.get_vocabulary(
+    unlabeled_text.corpus_vocabulary_path(
+      vocab_size=150, data_dir=str(tmp_path / "data"), directory=str(tmp_path / "cache")
+    )
+  )
+  task = seqio.get_mixture_or_task("local_unlabeled_prefix_lm")
+  with vocab.resolving_to(vocabulary):
+    dataset = task.get_dataset({"inputs": 24, "targets": 8}, split="train", shuffle=False)
+    examples = [
+      {k: list(v) for k, v in x.items() if k in ("inputs", "targets")}
+      for x in dataset.take(40).as_numpy_iterator()
+    ]
+  documents = task.source.get_dataset("train", shuffle=False).take(100)
+  stream = [t for d in documents.as_numpy_iterator() for t in vocabulary.encode(d["text"])]
+  # Each segment of 23 tokens is cut once, where both parts fit (each with its EOS),
+  # so the continuation is 1-7 tokens; in order, the segments are the text, whole.
+  joined = []
+  for x in examples:
+    assert x["inputs"][-1] == x["targets"][-1] == vocabulary.eos_id
+    assert 1 <= len(x["targets"]) - 1 <= 7 and len(x["inputs"]) <= 24
+    segment = x["inputs"][:-1] + x["targets"][:-1]
+    assert len(segment) == 23
+    joined += segment
+  assert joined == stream[: len(joined)]
+
+
 def test_vocabulary_is_trained_once_and_again_when_the_data_changes(tmp_path):
   _write_corpus(tmp_path / "data")
   kwargs = dict(vocab_size=150, data_dir=str(tmp_path / "data"), directory=str(tmp_path / "cache"))
