@@ -197,6 +197,11 @@ PRETRAIN_COMMAND = (
 # The recipe's length until 2026-11-30, which the "3,000 steps" rows and the second
 # cycle start from.
 PRETRAIN_3K = " --gin.TRAIN_STEPS=3000 --gin.MODEL_DIR=./runs/recipes/pretrained_3k"
+# The objectives at the recipes' size: the same recipe under the prefix LM objective.
+PRETRAIN_PREFIX_LM = (
+  " --gin.MIXTURE_OR_TASK_NAME=\"'local_unlabeled_prefix_lm'\" --gin.TRAIN_STEPS=3000"
+  " --gin.MODEL_DIR=./runs/recipes/pretrained_prefix_lm_3k"
+)
 PRETRAIN_CONTINUED_COMMAND = (
   "python -m t5x_lite.train --gin_file=recipes/pretrain_continued.gin --data_dir=../shared/data"
 )
@@ -295,6 +300,7 @@ def test_docs_give_the_commands_this_test_runs():
     NEW_TASK_COMMAND,
     PRETRAIN_ELECTRA_COMMAND,
     RTE_FROM_ELECTRA_COMMAND,
+    PRETRAIN_COMMAND + PRETRAIN_PREFIX_LM,
   ):
     assert command in page, command
   assert NEW_TASK_COMMAND + HOLDOUT in page
@@ -377,6 +383,13 @@ def test_recipes_pretrain_then_train_each_kind_of_task(tmp_path):
   assert all("elapsed_s" in r and "tokens_seen" in r for r in evals)
   best = json.loads((work / "runs/recipes/sst2/best.json").read_text())
   assert best["metric"] == "local_glue_sst2/accuracy" and best["best_step"] in (1, 2)
+  # The same recipe under the prefix LM objective.
+  _run(PRETRAIN_COMMAND + PRETRAIN_PREFIX_LM + _TINY + _FEW_STEPS, work, cache)
+  prefix_lm = work / "runs/recipes/pretrained_prefix_lm_3k"
+  assert (
+    "MIXTURE_OR_TASK_NAME = 'local_unlabeled_prefix_lm'" in (prefix_lm / "config.gin").read_text()
+  )
+  assert [r["step"] for r in _records(prefix_lm / "metrics.jsonl") if r["split"] == "eval"] == [2]
   # ELECTRA-style pre-training, and a task fine-tuned from it without its generator.
   _run(PRETRAIN_ELECTRA_COMMAND + _TINY + _FEW_STEPS, work, cache)
   output = _run(RTE_FROM_ELECTRA_COMMAND + _TINY + _FEW_STEPS, work, cache)
