@@ -103,7 +103,11 @@ def test_expected_registrations():
   )
   assert {"quickstart", "glue_v2"} <= set(seqio.MixtureRegistry.names())
   assert len(seqio.MixtureRegistry.get("glue_v2").tasks) == 9
-  assert len(LOCAL_TASKS) == 8
+  # The recipes' corpus under every objective, and ELECTRA's uncorrupted text.
+  unlabeled = [f"local_unlabeled_{o}" for o in objectives.UNSUPERVISED_OBJECTIVES]
+  unlabeled.append("local_unlabeled_electra")
+  assert [n for n in LOCAL_TASKS if n.startswith("local_unlabeled_")] == sorted(unlabeled)
+  assert len(LOCAL_TASKS) == 6 + len(unlabeled)
 
 
 @pytest.mark.parametrize("name", TFDS_TASKS)
