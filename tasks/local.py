@@ -132,11 +132,13 @@ for _name, _splits in (
 
 # Its raw text trains the recipe's vocabulary (tools/train_vocab.py --text_field=text).
 # Each objective of the T5 study over the same text (local_unlabeled_prefix_lm, ...):
-# the objectives table at the recipes' size (docs/recipes.md).
+# the objectives table at the recipes' size (docs/recipes.md). One source, so a process
+# that reads several of these tasks reads the corpus once.
+_UNLABELED_TEXT = unlabeled_text.UnlabeledTextSource()
 for _objective in objectives.UNSUPERVISED_OBJECTIVES:
   seqio.TaskRegistry.add(
     f"local_unlabeled_{_objective}",
-    source=unlabeled_text.UnlabeledTextSource(),
+    source=_UNLABELED_TEXT,
     preprocessors=objectives.unsupervised_preprocessors(_objective),
     output_features=objectives.objective_features(_objective),
     metric_fns=[],
@@ -145,7 +147,7 @@ for _objective in objectives.UNSUPERVISED_OBJECTIVES:
 # ELECTRA-style pre-training reads the same text whole; its model masks in the train step.
 seqio.TaskRegistry.add(
   "local_unlabeled_electra",
-  source=unlabeled_text.UnlabeledTextSource(),
+  source=_UNLABELED_TEXT,
   preprocessors=[objectives.text_as_targets, seqio.preprocessors.tokenize, objectives.electra_text],
   output_features=preprocessors.text_to_text_features(),
   metric_fns=[],

@@ -235,6 +235,14 @@ def test_infer_batches_equal_seqios_prefix_lm_features():
     np.testing.assert_array_equal(ours[key], np.stack([row[key] for row in converted]), err_msg=key)
 
 
+def test_an_lm_task_for_an_encoder_decoder_is_one_config_error():
+  config = pipeline.DatasetConfig("cpython_lm", {"targets": 16}, 4)
+  with pytest.raises(ConfigError, match=r"Task 'cpython_lm' has targets only .* decoder-only"):
+    pipeline.feature_converter(config)
+  lm_config = pipeline.for_model(config, tiny_lm_config("decoder_only"))
+  assert isinstance(pipeline.feature_converter(lm_config), seqio.DecoderFeatureConverter)
+
+
 def test_feature_converter_and_flops_follow_the_architecture():
   config = pipeline.DatasetConfig("cpython_span_corruption", {"inputs": 16, "targets": 8}, 4)
   assert isinstance(pipeline.feature_converter(config), seqio.EncDecFeatureConverter)

@@ -269,6 +269,18 @@ class TaskIdEncDecFeatureConverter(packing.EncDecFeatureConverter):
     return lengths
 
 
+def _require_inputs(name: str) -> None:
+  """Raises a ConfigError if a task of `name` has no 'inputs' for an encoder to read."""
+  for task in seqio.get_subtasks(get_mixture_or_task(name)):
+    if "inputs" not in task.output_features:
+      raise ConfigError(
+        f"Task {task.name!r} has targets only (language modelling), and an "
+        "encoder-decoder model needs inputs: train it with a decoder-only model "
+        "(T5Config.architecture = 'decoder_only', e.g. models/decoder_only/*.gin), or "
+        "pick an objective with inputs (its prefix_lm or span_corruption task)."
+      )
+
+
 def feature_converter(config: DatasetConfig, pack: bool | None = None) -> seqio.FeatureConverter:
   """The seqio feature converter of `config.architecture`.
 
@@ -284,6 +296,7 @@ def feature_converter(config: DatasetConfig, pack: bool | None = None) -> seqio.
   """
   pack = config.pack if pack is None else pack
   if config.architecture == "encoder_decoder":
+    _require_inputs(config.mixture_or_task_name)
     if config.task_ids:
       return TaskIdEncDecFeatureConverter(pack=pack)
     return packing.EncDecFeatureConverter(pack=pack)
