@@ -129,8 +129,8 @@ def test_a_damaged_archive_is_named(tmp_path):
     source.records("train")
 
 
-def test_the_corpus_under_the_prefix_lm_objective(tmp_path, monkeypatch):
-  """local_unlabeled_prefix_lm: the objectives table's prefix LM row at the recipes' size."""
+def _corpus_under(objective: str, lengths: dict[str, int], tmp_path, monkeypatch):
+  """(40 examples of `local_unlabeled_<objective>` as token lists, the tokenized text, EOS id)."""
   import seqio
 
   import tasks  # noqa: F401  (registers the local_unlabeled_* tasks)
@@ -143,25 +143,72 @@ def test_the_corpus_under_the_prefix_lm_objective(tmp_path, monkeypatch):
       vocab_size=150, data_dir=str(tmp_path / "data"), directory=str(tmp_path / "cache")
     )
   )
-  task = seqio.get_mixture_or_task("local_unlabeled_prefix_lm")
+  task = seqio.get_mixture_or_task(f"local_unlabeled_{objective}")
   with vocab.resolving_to(vocabulary):
-    dataset = task.get_dataset({"inputs": 24, "targets": 8}, split="train", shuffle=False)
+    dataset = task.get_dataset(lengths, split="train", shuffle=False, seed=0)
     examples = [
       {k: list(v) for k, v in x.items() if k in ("inputs", "targets")}
       for x in dataset.take(40).as_numpy_iterator()
     ]
   documents = task.source.get_dataset("train", shuffle=False).take(100)
   stream = [t for d in documents.as_numpy_iterator() for t in vocabulary.encode(d["text"])]
+  return examples, stream, vocabulary.eos_id
+
+
+def test_the_corpus_under_the_prefix_lm_objective(tmp_path, monkeypatch):
+  """local_unlabeled_prefix_lm: the objectives table's prefix LM row at the recipes' size."""
+  examples, stream, eos_id = _corpus_under(
+    "prefix_lm", {"inputs": 24, "targets": 8}, tmp_path, monkeypatch
+  )
   # Each segment of 23 tokens is cut once, where both parts fit (each with its EOS),
   # so the continuation is 1-7 tokens; in order, the segments are the text, whole.
   joined = []
   for x in examples:
-    assert x["inputs"][-1] == x["targets"][-1] == vocabulary.eos_id
+    assert x["inputs"][-1] == x["targets"][-1] == eos_id
     assert 1 <= len(x["targets"]) - 1 <= 7 and len(x["inputs"]) <= 24
     segment = x["inputs"][:-1] + x["targets"][:-1]
     assert len(segment) == 23
     joined += segment
   assert joined == stream[: len(joined)]
+
+
+def _interleaves(a: list[int], b: list[int], whole: list[int]) -> bool:
+  """Whether `whole` is `a` and `b` merged, each kept in its order."""
+  if len(a) + len(b) != len(whole):
+    return False
+  # reachable[j]: whole[: i + j] can be a[:i] merged with b[:j], for the current i.
+  reachable = [True] + [False] * len(b)
+  for j in range(1, len(b) + 1):
+    reachable[j] = reachable[j - 1] and b[j - 1] == whole[j - 1]
+  for i in range(1, len(a) + 1):
+    reachable[0] = reachable[0] and a[i - 1] == whole[i - 1]
+    for j in range(1, len(b) + 1):
+      reachable[j] = (reachable[j] and a[i - 1] == whole[i + j - 1]) or (
+        reachable[j - 1] and b[j - 1] == whole[i + j - 1]
+      )
+  return reachable[-1]
+
+
+def test_the_corpus_under_the_iid_drop_tokens_objective(tmp_path, monkeypatch):
+  """local_unlabeled_iid_drop_tokens: the T5 paper's "drop corrupted tokens" at the recipes'
+  lengths (inputs 128 + targets 32, as span corruption), here 24 + 12."""
+  assert not _interleaves([1, 2], [3], [1, 2, 2])
+  assert _interleaves([1, 3], [2], [1, 2, 3]) and not _interleaves([3, 1], [2], [1, 2, 3])
+  examples, stream, eos_id = _corpus_under(
+    "iid_drop_tokens", {"inputs": 24, "targets": 12}, tmp_path, monkeypatch
+  )
+  # Each segment of 23 tokens loses some of its tokens, never its first: the inputs keep
+  # the rest in order, the targets are the dropped ones in order; in order, the segments
+  # are the text, whole.
+  position, dropped = 0, 0
+  for x in examples:
+    assert x["inputs"][-1] == x["targets"][-1] == eos_id
+    kept, removed = x["inputs"][:-1], x["targets"][:-1]
+    segment = stream[position : position + 23]
+    assert kept[0] == segment[0] and _interleaves(kept, removed, segment)
+    position, dropped = position + 23, dropped + len(removed)
+  # 880 tokens that may drop, each with probability 0.15: 132 expected, 11 the deviation.
+  assert 88 <= dropped <= 176
 
 
 def test_vocabulary_is_trained_once_and_again_when_the_data_changes(tmp_path):
@@ -201,6 +248,11 @@ PRETRAIN_3K = " --gin.TRAIN_STEPS=3000 --gin.MODEL_DIR=./runs/recipes/pretrained
 PRETRAIN_PREFIX_LM = (
   " --gin.MIXTURE_OR_TASK_NAME=\"'local_unlabeled_prefix_lm'\" --gin.TRAIN_STEPS=3000"
   " --gin.MODEL_DIR=./runs/recipes/pretrained_prefix_lm_3k"
+)
+# ... and under the T5 paper's "drop corrupted tokens" (its unit test builds the task).
+PRETRAIN_IID_DROP_TOKENS = (
+  " --gin.MIXTURE_OR_TASK_NAME=\"'local_unlabeled_iid_drop_tokens'\" --gin.TRAIN_STEPS=3000"
+  " --gin.MODEL_DIR=./runs/recipes/pretrained_iid_drop_tokens_3k"
 )
 PRETRAIN_CONTINUED_COMMAND = (
   "python -m t5x_lite.train --gin_file=recipes/pretrain_continued.gin --data_dir=../shared/data"
@@ -301,6 +353,7 @@ def test_docs_give_the_commands_this_test_runs():
     PRETRAIN_ELECTRA_COMMAND,
     RTE_FROM_ELECTRA_COMMAND,
     PRETRAIN_COMMAND + PRETRAIN_PREFIX_LM,
+    PRETRAIN_COMMAND + PRETRAIN_IID_DROP_TOKENS,
   ):
     assert command in page, command
   assert NEW_TASK_COMMAND + HOLDOUT in page
