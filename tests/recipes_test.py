@@ -130,7 +130,8 @@ def test_a_damaged_archive_is_named(tmp_path):
 
 
 def _corpus_under(objective: str, lengths: dict[str, int], tmp_path, monkeypatch):
-  """(40 examples of `local_unlabeled_<objective>` as token lists, the tokenized text, EOS id)."""
+  """(40 examples of `local_unlabeled_<objective>` as token lists, the tokenized text, the
+  vocabulary)."""
   import seqio
 
   import tasks  # noqa: F401  (registers the local_unlabeled_* tasks)
@@ -152,14 +153,15 @@ def _corpus_under(objective: str, lengths: dict[str, int], tmp_path, monkeypatch
     ]
   documents = task.source.get_dataset("train", shuffle=False).take(100)
   stream = [t for d in documents.as_numpy_iterator() for t in vocabulary.encode(d["text"])]
-  return examples, stream, vocabulary.eos_id
+  return examples, stream, vocabulary
 
 
 def test_the_corpus_under_the_prefix_lm_objective(tmp_path, monkeypatch):
   """local_unlabeled_prefix_lm: the objectives table's prefix LM row at the recipes' size."""
-  examples, stream, eos_id = _corpus_under(
+  examples, stream, vocabulary = _corpus_under(
     "prefix_lm", {"inputs": 24, "targets": 8}, tmp_path, monkeypatch
   )
+  eos_id = vocabulary.eos_id
   # Each segment of 23 tokens is cut once, where both parts fit (each with its EOS),
   # so the continuation is 1-7 tokens; in order, the segments are the text, whole.
   joined = []
@@ -194,9 +196,10 @@ def test_the_corpus_under_the_iid_drop_tokens_objective(tmp_path, monkeypatch):
   lengths (inputs 128 + targets 32, as span corruption), here 24 + 12."""
   assert not _interleaves([1, 2], [3], [1, 2, 2])
   assert _interleaves([1, 3], [2], [1, 2, 3]) and not _interleaves([3, 1], [2], [1, 2, 3])
-  examples, stream, eos_id = _corpus_under(
+  examples, stream, vocabulary = _corpus_under(
     "iid_drop_tokens", {"inputs": 24, "targets": 12}, tmp_path, monkeypatch
   )
+  eos_id = vocabulary.eos_id
   # Each segment of 23 tokens loses some of its tokens, never its first: the inputs keep
   # the rest in order, the targets are the dropped ones in order; in order, the segments
   # are the text, whole.
@@ -209,6 +212,35 @@ def test_the_corpus_under_the_iid_drop_tokens_objective(tmp_path, monkeypatch):
     position, dropped = position + 23, dropped + len(removed)
   # 880 tokens that may drop, each with probability 0.15: 132 expected, 11 the deviation.
   assert 88 <= dropped <= 176
+
+
+def test_the_corpus_under_the_bert_style_objective(tmp_path, monkeypatch):
+  """local_unlabeled_bert_style: the T5 paper's BERT-style objective at the recipes' token
+  slots (inputs 80 + targets 80, the segment whole in both), here 24 + 24."""
+  examples, stream, vocabulary = _corpus_under(
+    "bert_style", {"inputs": 24, "targets": 24}, tmp_path, monkeypatch
+  )
+  mask_id = vocabulary.vocab_size - 1
+  regular_ids = vocabulary.vocab_size - vocabulary.extra_ids
+  # Each segment of 23 tokens is the targets, whole; the inputs are it with some tokens,
+  # chosen independently, turned into the mask or into a random regular token; in
+  # order, the segments are the text, whole.
+  joined, masked, replaced = [], 0, 0
+  for x in examples:
+    assert x["inputs"][-1] == x["targets"][-1] == vocabulary.eos_id
+    assert len(x["inputs"]) == len(x["targets"]) == 24
+    for corrupt, original in zip(x["inputs"][:-1], x["targets"][:-1]):
+      if corrupt == mask_id:
+        masked += 1
+      elif corrupt != original:
+        assert corrupt < regular_ids, corrupt
+        replaced += 1
+    joined += x["targets"][:-1]
+  assert joined == stream[: len(joined)]
+  # 920 tokens, each masked with probability 0.15 * 0.9: 124 expected, 10 the deviation;
+  # each replaced with 0.015 (less when the random token is the original): 14 at most.
+  assert 83 <= masked <= 166
+  assert 1 <= replaced <= 29
 
 
 def test_vocabulary_is_trained_once_and_again_when_the_data_changes(tmp_path):
@@ -253,6 +285,13 @@ PRETRAIN_PREFIX_LM = (
 PRETRAIN_IID_DROP_TOKENS = (
   " --gin.MIXTURE_OR_TASK_NAME=\"'local_unlabeled_iid_drop_tokens'\" --gin.TRAIN_STEPS=3000"
   " --gin.MODEL_DIR=./runs/recipes/pretrained_iid_drop_tokens_3k"
+)
+# ... and under the T5 paper's BERT-style objective, whose targets are the whole segment:
+# 80 + 80 token slots, span corruption's 128 + 32 (its unit test builds the task).
+PRETRAIN_BERT_STYLE = (
+  " --gin.MIXTURE_OR_TASK_NAME=\"'local_unlabeled_bert_style'\" --gin.TRAIN_STEPS=3000"
+  " --gin.TASK_FEATURE_LENGTHS=\"{'inputs': 80, 'targets': 80}\""
+  " --gin.MODEL_DIR=./runs/recipes/pretrained_bert_style_3k"
 )
 PRETRAIN_CONTINUED_COMMAND = (
   "python -m t5x_lite.train --gin_file=recipes/pretrain_continued.gin --data_dir=../shared/data"
@@ -354,6 +393,7 @@ def test_docs_give_the_commands_this_test_runs():
     RTE_FROM_ELECTRA_COMMAND,
     PRETRAIN_COMMAND + PRETRAIN_PREFIX_LM,
     PRETRAIN_COMMAND + PRETRAIN_IID_DROP_TOKENS,
+    PRETRAIN_COMMAND + PRETRAIN_BERT_STYLE,
   ):
     assert command in page, command
   assert NEW_TASK_COMMAND + HOLDOUT in page
