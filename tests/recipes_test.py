@@ -243,6 +243,28 @@ def test_the_corpus_under_the_bert_style_objective(tmp_path, monkeypatch):
   assert 1 <= replaced <= 29
 
 
+def test_the_corpus_under_the_deshuffling_objective(tmp_path, monkeypatch):
+  """local_unlabeled_deshuffling: the T5 paper's deshuffling objective at the recipes' token
+  slots (inputs 80 + targets 80, the segment whole in both), here 24 + 24."""
+  examples, stream, vocabulary = _corpus_under(
+    "deshuffling", {"inputs": 24, "targets": 24}, tmp_path, monkeypatch
+  )
+  # Each segment of 23 tokens is the targets, whole, and the inputs are its tokens in
+  # another order; in order, the segments are the text, whole.
+  joined, kept_in_place = [], 0
+  for x in examples:
+    assert x["inputs"][-1] == x["targets"][-1] == vocabulary.eos_id
+    assert len(x["inputs"]) == len(x["targets"]) == 24
+    shuffled, segment = x["inputs"][:-1], x["targets"][:-1]
+    assert sorted(shuffled) == sorted(segment)
+    kept_in_place += sum(a == b for a, b in zip(shuffled, segment))
+    joined += segment
+  assert joined == stream[: len(joined)]
+  # A uniform shuffle leaves one token of each segment where it was, on average (more
+  # where a token repeats): 40 of 920 expected, where no shuffle would leave all 920.
+  assert kept_in_place <= 200
+
+
 def test_vocabulary_is_trained_once_and_again_when_the_data_changes(tmp_path):
   _write_corpus(tmp_path / "data")
   kwargs = dict(vocab_size=150, data_dir=str(tmp_path / "data"), directory=str(tmp_path / "cache"))
