@@ -315,6 +315,12 @@ PRETRAIN_BERT_STYLE = (
   " --gin.TASK_FEATURE_LENGTHS=\"{'inputs': 80, 'targets': 80}\""
   " --gin.MODEL_DIR=./runs/recipes/pretrained_bert_style_3k"
 )
+# ... and under deshuffling, whose targets are the whole segment too.
+PRETRAIN_DESHUFFLING = (
+  " --gin.MIXTURE_OR_TASK_NAME=\"'local_unlabeled_deshuffling'\" --gin.TRAIN_STEPS=3000"
+  " --gin.TASK_FEATURE_LENGTHS=\"{'inputs': 80, 'targets': 80}\""
+  " --gin.MODEL_DIR=./runs/recipes/pretrained_deshuffling_3k"
+)
 PRETRAIN_CONTINUED_COMMAND = (
   "python -m t5x_lite.train --gin_file=recipes/pretrain_continued.gin --data_dir=../shared/data"
 )
@@ -416,6 +422,7 @@ def test_docs_give_the_commands_this_test_runs():
     PRETRAIN_COMMAND + PRETRAIN_PREFIX_LM,
     PRETRAIN_COMMAND + PRETRAIN_IID_DROP_TOKENS,
     PRETRAIN_COMMAND + PRETRAIN_BERT_STYLE,
+    PRETRAIN_COMMAND + PRETRAIN_DESHUFFLING,
   ):
     assert command in page, command
   assert NEW_TASK_COMMAND + HOLDOUT in page
