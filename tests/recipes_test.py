@@ -214,29 +214,40 @@ def test_the_corpus_under_the_iid_drop_tokens_objective(tmp_path, monkeypatch):
   assert 88 <= dropped <= 176
 
 
-def test_the_corpus_under_the_bert_style_objective(tmp_path, monkeypatch):
-  """local_unlabeled_bert_style: the T5 paper's BERT-style objective at the recipes' token
-  slots (inputs 80 + targets 80, the segment whole in both), here 24 + 24."""
+def _whole_segments(objective: str, tmp_path, monkeypatch):
+  """([(inputs, targets) without EOS] of `local_unlabeled_<objective>` at 24 + 24, the
+  vocabulary), for the objectives whose targets are the segment whole (the recipes' 80 +
+  80 token slots): each checked to end in EOS and fill 24, and the targets in order
+  checked to be the text, whole."""
   examples, stream, vocabulary = _corpus_under(
-    "bert_style", {"inputs": 24, "targets": 24}, tmp_path, monkeypatch
+    objective, {"inputs": 24, "targets": 24}, tmp_path, monkeypatch
   )
-  mask_id = vocabulary.vocab_size - 1
-  regular_ids = vocabulary.vocab_size - vocabulary.extra_ids
-  # Each segment of 23 tokens is the targets, whole; the inputs are it with some tokens,
-  # chosen independently, turned into the mask or into a random regular token; in
-  # order, the segments are the text, whole.
-  joined, masked, replaced = [], 0, 0
+  pairs, joined = [], []
   for x in examples:
     assert x["inputs"][-1] == x["targets"][-1] == vocabulary.eos_id
     assert len(x["inputs"]) == len(x["targets"]) == 24
-    for corrupt, original in zip(x["inputs"][:-1], x["targets"][:-1]):
+    pairs.append((x["inputs"][:-1], x["targets"][:-1]))
+    joined += x["targets"][:-1]
+  assert joined == stream[: len(joined)]
+  return pairs, vocabulary
+
+
+def test_the_corpus_under_the_bert_style_objective(tmp_path, monkeypatch):
+  """local_unlabeled_bert_style: the T5 paper's BERT-style objective at the recipes' token
+  slots (inputs 80 + targets 80, the segment whole in both), here 24 + 24."""
+  pairs, vocabulary = _whole_segments("bert_style", tmp_path, monkeypatch)
+  mask_id = vocabulary.vocab_size - 1
+  regular_ids = vocabulary.vocab_size - vocabulary.extra_ids
+  # The inputs are each segment of 23 tokens with some tokens, chosen independently,
+  # turned into the mask or into a random regular token.
+  masked, replaced = 0, 0
+  for inputs, segment in pairs:
+    for corrupt, original in zip(inputs, segment):
       if corrupt == mask_id:
         masked += 1
       elif corrupt != original:
         assert corrupt < regular_ids, corrupt
         replaced += 1
-    joined += x["targets"][:-1]
-  assert joined == stream[: len(joined)]
   # 920 tokens, each masked with probability 0.15 * 0.9: 124 expected, 10 the deviation;
   # each replaced with 0.015 (less when the random token is the original): 14 at most.
   assert 83 <= masked <= 166
@@ -246,20 +257,12 @@ def test_the_corpus_under_the_bert_style_objective(tmp_path, monkeypatch):
 def test_the_corpus_under_the_deshuffling_objective(tmp_path, monkeypatch):
   """local_unlabeled_deshuffling: the T5 paper's deshuffling objective at the recipes' token
   slots (inputs 80 + targets 80, the segment whole in both), here 24 + 24."""
-  examples, stream, vocabulary = _corpus_under(
-    "deshuffling", {"inputs": 24, "targets": 24}, tmp_path, monkeypatch
-  )
-  # Each segment of 23 tokens is the targets, whole, and the inputs are its tokens in
-  # another order; in order, the segments are the text, whole.
-  joined, kept_in_place = [], 0
-  for x in examples:
-    assert x["inputs"][-1] == x["targets"][-1] == vocabulary.eos_id
-    assert len(x["inputs"]) == len(x["targets"]) == 24
-    shuffled, segment = x["inputs"][:-1], x["targets"][:-1]
+  pairs, _ = _whole_segments("deshuffling", tmp_path, monkeypatch)
+  # The inputs are each segment of 23 tokens in another order.
+  kept_in_place = 0
+  for shuffled, segment in pairs:
     assert sorted(shuffled) == sorted(segment)
     kept_in_place += sum(a == b for a, b in zip(shuffled, segment))
-    joined += segment
-  assert joined == stream[: len(joined)]
   # A uniform shuffle leaves one token of each segment where it was, on average (more
   # where a token repeats): 40 of 920 expected, where no shuffle would leave all 920.
   assert kept_in_place <= 200
@@ -308,19 +311,19 @@ PRETRAIN_IID_DROP_TOKENS = (
   " --gin.MIXTURE_OR_TASK_NAME=\"'local_unlabeled_iid_drop_tokens'\" --gin.TRAIN_STEPS=3000"
   " --gin.MODEL_DIR=./runs/recipes/pretrained_iid_drop_tokens_3k"
 )
-# ... and under the T5 paper's BERT-style objective, whose targets are the whole segment:
-# 80 + 80 token slots, span corruption's 128 + 32 (its unit test builds the task).
-PRETRAIN_BERT_STYLE = (
-  " --gin.MIXTURE_OR_TASK_NAME=\"'local_unlabeled_bert_style'\" --gin.TRAIN_STEPS=3000"
-  " --gin.TASK_FEATURE_LENGTHS=\"{'inputs': 80, 'targets': 80}\""
-  " --gin.MODEL_DIR=./runs/recipes/pretrained_bert_style_3k"
-)
-# ... and under deshuffling, whose targets are the whole segment too.
-PRETRAIN_DESHUFFLING = (
-  " --gin.MIXTURE_OR_TASK_NAME=\"'local_unlabeled_deshuffling'\" --gin.TRAIN_STEPS=3000"
-  " --gin.TASK_FEATURE_LENGTHS=\"{'inputs': 80, 'targets': 80}\""
-  " --gin.MODEL_DIR=./runs/recipes/pretrained_deshuffling_3k"
-)
+
+
+def _pretrain_whole_segments(objective: str) -> str:
+  """The objectives table's overrides for an objective whose targets are the whole segment
+  (BERT-style, deshuffling): 80 + 80 token slots, as many as span corruption's 128 + 32
+  (each one's unit test builds its task)."""
+  return (
+    f" --gin.MIXTURE_OR_TASK_NAME=\"'local_unlabeled_{objective}'\" --gin.TRAIN_STEPS=3000"
+    " --gin.TASK_FEATURE_LENGTHS=\"{'inputs': 80, 'targets': 80}\""
+    f" --gin.MODEL_DIR=./runs/recipes/pretrained_{objective}_3k"
+  )
+
+
 PRETRAIN_CONTINUED_COMMAND = (
   "python -m t5x_lite.train --gin_file=recipes/pretrain_continued.gin --data_dir=../shared/data"
 )
@@ -421,8 +424,8 @@ def test_docs_give_the_commands_this_test_runs():
     RTE_FROM_ELECTRA_COMMAND,
     PRETRAIN_COMMAND + PRETRAIN_PREFIX_LM,
     PRETRAIN_COMMAND + PRETRAIN_IID_DROP_TOKENS,
-    PRETRAIN_COMMAND + PRETRAIN_BERT_STYLE,
-    PRETRAIN_COMMAND + PRETRAIN_DESHUFFLING,
+    PRETRAIN_COMMAND + _pretrain_whole_segments("bert_style"),
+    PRETRAIN_COMMAND + _pretrain_whole_segments("deshuffling"),
   ):
     assert command in page, command
   assert NEW_TASK_COMMAND + HOLDOUT in page
