@@ -268,6 +268,24 @@ def test_the_corpus_under_the_deshuffling_objective(tmp_path, monkeypatch):
   assert kept_in_place <= 200
 
 
+def test_the_corpus_under_the_mass_style_objective(tmp_path, monkeypatch):
+  """local_unlabeled_mass_style: the T5 paper's MASS-style objective at the recipes' token
+  slots (inputs 80 + targets 80, the segment whole in both), here 24 + 24."""
+  pairs, vocabulary = _whole_segments("mass_style", tmp_path, monkeypatch)
+  mask_id = vocabulary.vocab_size - 1
+  # The inputs are each segment of 23 tokens with some tokens, chosen independently,
+  # turned into the mask; every other token stays as it was (no random replacements).
+  masked = 0
+  for inputs, segment in pairs:
+    for corrupt, original in zip(inputs, segment):
+      if corrupt == mask_id:
+        masked += 1
+      else:
+        assert corrupt == original
+  # 920 tokens, each masked with probability 0.15: 138 expected, 11 the deviation.
+  assert 94 <= masked <= 182
+
+
 def test_vocabulary_is_trained_once_and_again_when_the_data_changes(tmp_path):
   _write_corpus(tmp_path / "data")
   kwargs = dict(vocab_size=150, data_dir=str(tmp_path / "data"), directory=str(tmp_path / "cache"))
