@@ -232,14 +232,12 @@ def _whole_segments(objective: str, tmp_path, monkeypatch):
   return pairs, vocabulary
 
 
-def test_the_corpus_under_the_bert_style_objective(tmp_path, monkeypatch):
-  """local_unlabeled_bert_style: the T5 paper's BERT-style objective at the recipes' token
-  slots (inputs 80 + targets 80, the segment whole in both), here 24 + 24."""
-  pairs, vocabulary = _whole_segments("bert_style", tmp_path, monkeypatch)
+def _masked_and_replaced(pairs, vocabulary) -> tuple[int, int]:
+  """(tokens turned into the mask, tokens turned into another regular token) over the
+  (inputs, segment) pairs of an i.i.d. masking objective, each replacement checked to be
+  a regular token."""
   mask_id = vocabulary.vocab_size - 1
   regular_ids = vocabulary.vocab_size - vocabulary.extra_ids
-  # The inputs are each segment of 23 tokens with some tokens, chosen independently,
-  # turned into the mask or into a random regular token.
   masked, replaced = 0, 0
   for inputs, segment in pairs:
     for corrupt, original in zip(inputs, segment):
@@ -248,6 +246,15 @@ def test_the_corpus_under_the_bert_style_objective(tmp_path, monkeypatch):
       elif corrupt != original:
         assert corrupt < regular_ids, corrupt
         replaced += 1
+  return masked, replaced
+
+
+def test_the_corpus_under_the_bert_style_objective(tmp_path, monkeypatch):
+  """local_unlabeled_bert_style: the T5 paper's BERT-style objective at the recipes' token
+  slots (inputs 80 + targets 80, the segment whole in both), here 24 + 24."""
+  # The inputs are each segment of 23 tokens with some tokens, chosen independently,
+  # turned into the mask or into a random regular token.
+  masked, replaced = _masked_and_replaced(*_whole_segments("bert_style", tmp_path, monkeypatch))
   # 920 tokens, each masked with probability 0.15 * 0.9: 124 expected, 10 the deviation;
   # each replaced with 0.015 (less when the random token is the original): 14 at most.
   assert 83 <= masked <= 166
@@ -271,17 +278,10 @@ def test_the_corpus_under_the_deshuffling_objective(tmp_path, monkeypatch):
 def test_the_corpus_under_the_mass_style_objective(tmp_path, monkeypatch):
   """local_unlabeled_mass_style: the T5 paper's MASS-style objective at the recipes' token
   slots (inputs 80 + targets 80, the segment whole in both), here 24 + 24."""
-  pairs, vocabulary = _whole_segments("mass_style", tmp_path, monkeypatch)
-  mask_id = vocabulary.vocab_size - 1
   # The inputs are each segment of 23 tokens with some tokens, chosen independently,
   # turned into the mask; every other token stays as it was (no random replacements).
-  masked = 0
-  for inputs, segment in pairs:
-    for corrupt, original in zip(inputs, segment):
-      if corrupt == mask_id:
-        masked += 1
-      else:
-        assert corrupt == original
+  masked, replaced = _masked_and_replaced(*_whole_segments("mass_style", tmp_path, monkeypatch))
+  assert replaced == 0
   # 920 tokens, each masked with probability 0.15: 138 expected, 11 the deviation.
   assert 94 <= masked <= 182
 
@@ -290,17 +290,7 @@ def test_the_corpus_under_the_iid_denoising_objective(tmp_path, monkeypatch):
   """local_unlabeled_iid_denoising: BERT's own masking (80% mask, 10% random, 10% kept) at
   the recipes' token slots (inputs 80 + targets 80, the segment whole in both), here
   24 + 24."""
-  pairs, vocabulary = _whole_segments("iid_denoising", tmp_path, monkeypatch)
-  mask_id = vocabulary.vocab_size - 1
-  regular_ids = vocabulary.vocab_size - vocabulary.extra_ids
-  masked, replaced = 0, 0
-  for inputs, segment in pairs:
-    for corrupt, original in zip(inputs, segment):
-      if corrupt == mask_id:
-        masked += 1
-      elif corrupt != original:
-        assert corrupt < regular_ids, corrupt
-        replaced += 1
+  masked, replaced = _masked_and_replaced(*_whole_segments("iid_denoising", tmp_path, monkeypatch))
   # 920 tokens, each masked with probability 0.15 * 0.8: 110 expected, 10 the deviation;
   # each replaced with 0.015 (less when the random token is the original): 14 at most.
   # Too few tokens to tell 0.8 from BERT-style's 0.9: tests/objectives_test.py measures
