@@ -346,7 +346,7 @@ PRETRAIN_IID_DROP_TOKENS = (
 
 def _pretrain_whole_segments(objective: str) -> str:
   """The objectives table's overrides for an objective whose targets are the whole segment
-  (BERT-style, deshuffling, MASS-style): 80 + 80 token slots, as many as span
+  (BERT-style, deshuffling, MASS-style, BERT's own masking): 80 + 80 token slots, as many as span
   corruption's 128 + 32 (each one's unit test builds its task)."""
   return (
     f" --gin.MIXTURE_OR_TASK_NAME=\"'local_unlabeled_{objective}'\" --gin.TRAIN_STEPS=3000"
@@ -458,6 +458,7 @@ def test_docs_give_the_commands_this_test_runs():
     PRETRAIN_COMMAND + _pretrain_whole_segments("bert_style"),
     PRETRAIN_COMMAND + _pretrain_whole_segments("deshuffling"),
     PRETRAIN_COMMAND + _pretrain_whole_segments("mass_style"),
+    PRETRAIN_COMMAND + _pretrain_whole_segments("iid_denoising"),
   ):
     assert command in page, command
   assert NEW_TASK_COMMAND + HOLDOUT in page
