@@ -214,6 +214,43 @@ def test_the_corpus_under_the_iid_drop_tokens_objective(tmp_path, monkeypatch):
   assert 88 <= dropped <= 176
 
 
+def test_the_corpus_under_the_iid_replace_spans_objective(tmp_path, monkeypatch):
+  """local_unlabeled_iid_replace_spans: the T5 paper's "replace corrupted spans" at the
+  objectives table's lengths (inputs 104 + targets 56), here 24 + 14."""
+  examples, stream, vocabulary = _corpus_under(
+    "iid_replace_spans", {"inputs": 24, "targets": 14}, tmp_path, monkeypatch
+  )
+  eos_id = vocabulary.eos_id
+  regular_ids = vocabulary.vocab_size - vocabulary.extra_ids
+  # Each segment of 23 tokens has runs of tokens, never its first, each turned into one
+  # sentinel in the inputs; the targets are each sentinel then the run it replaced, and
+  # one sentinel more, alone, where the segment ends uncorrupted (as span corruption's
+  # do). Putting the runs back gives the segment, and in order the segments are the text.
+  position, corrupted = 0, 0
+  for x in examples:
+    assert x["inputs"][-1] == x["targets"][-1] == eos_id
+    inputs, targets = x["inputs"][:-1], x["targets"][:-1]
+    sentinels = [t for t in inputs if t >= regular_ids]
+    assert inputs[0] < regular_ids and len(set(sentinels)) == len(sentinels)
+    if inputs[-1] < regular_ids:
+      assert targets[-1] >= regular_ids and targets[-1] not in sentinels
+      targets = targets[:-1]
+    assert [t for t in targets if t >= regular_ids] == sentinels
+    runs, run = {}, None
+    for t in targets:
+      if t >= regular_ids:
+        run = runs.setdefault(t, [])
+      else:
+        run.append(t)
+    assert all(runs.values())  # every sentinel replaced at least one token
+    segment = [u for t in inputs for u in (runs[t] if t >= regular_ids else [t])]
+    assert segment == stream[position : position + 23]
+    position, corrupted = position + 23, corrupted + len(targets) - len(sentinels)
+  # 880 tokens that may be corrupted, each with probability 0.15: 132 expected, 11 the
+  # deviation.
+  assert 88 <= corrupted <= 176
+
+
 def _whole_segments(objective: str, tmp_path, monkeypatch):
   """([(inputs, targets) without EOS] of `local_unlabeled_<objective>` at 24 + 24, the
   vocabulary), for the objectives whose targets are the segment whole (the recipes' 80 +
