@@ -224,8 +224,8 @@ def test_the_corpus_under_the_iid_replace_spans_objective(tmp_path, monkeypatch)
   regular_ids = vocabulary.vocab_size - vocabulary.extra_ids
   # Each segment of 23 tokens has runs of tokens, never its first, each turned into one
   # sentinel in the inputs; the targets are each sentinel then the run it replaced, and
-  # one sentinel more, alone, where the segment ends uncorrupted (as span corruption's
-  # do). Putting the runs back gives the segment, and in order the segments are the text.
+  # one sentinel more, alone, where the segment ends uncorrupted. Putting the runs back
+  # gives the segment, and in order the segments are the text.
   position, corrupted = 0, 0
   for x in examples:
     assert x["inputs"][-1] == x["targets"][-1] == eos_id
@@ -383,8 +383,8 @@ PRETRAIN_IID_DROP_TOKENS = (
 
 def _pretrain_whole_segments(objective: str) -> str:
   """The objectives table's overrides for an objective whose targets are the whole segment
-  (BERT-style, deshuffling, MASS-style, BERT's own masking): 80 + 80 token slots, as many as span
-  corruption's 128 + 32 (each one's unit test builds its task)."""
+  (BERT-style, deshuffling, MASS-style, BERT's own masking): 80 + 80 token slots, as many
+  as span corruption's 128 + 32 (each one's unit test builds its task)."""
   return (
     f" --gin.MIXTURE_OR_TASK_NAME=\"'local_unlabeled_{objective}'\" --gin.TRAIN_STEPS=3000"
     " --gin.TASK_FEATURE_LENGTHS=\"{'inputs': 80, 'targets': 80}\""
