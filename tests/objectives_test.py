@@ -7,6 +7,7 @@ import gin
 import numpy as np
 import pytest
 import seqio
+import span_sentinels
 import tensorflow as tf
 
 from t5x_lite.data import noise, objectives
@@ -43,17 +44,8 @@ def _run(preprocessor, docs, lengths, seed=7):
 
 
 def _reconstruct(inputs: np.ndarray, targets: np.ndarray) -> list[int]:
-  """Undoes span corruption: each input sentinel -> the target tokens after it."""
-  fills, current = {}, None
-  for t in targets[:-1]:
-    if t >= 800:
-      current = fills.setdefault(int(t), [])
-    else:
-      current.append(int(t))
-  out = []
-  for t in inputs[:-1]:
-    out.extend(fills[int(t)] if t >= 800 else [int(t)])
-  return out
+  """Undoes span corruption of an example whose sentinels are ids 800 and up."""
+  return span_sentinels.put_back(inputs[:-1], targets[:-1], 800)
 
 
 def test_random_spans_helper_matches_t5():

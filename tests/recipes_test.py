@@ -24,6 +24,7 @@ import numpy as np
 import nltk_fixtures
 import pytest
 import sentencepiece as spm
+import span_sentinels
 from xla_flags import xla_flags
 
 from t5x_lite import models
@@ -236,14 +237,11 @@ def test_the_corpus_under_the_iid_replace_spans_objective(tmp_path, monkeypatch)
       assert targets[-1] >= regular_ids and targets[-1] not in sentinels
       targets = targets[:-1]
     assert [t for t in targets if t >= regular_ids] == sentinels
-    runs, run = {}, None
-    for t in targets:
-      if t >= regular_ids:
-        run = runs.setdefault(t, [])
-      else:
-        run.append(t)
-    assert all(runs.values())  # every sentinel replaced at least one token
-    segment = [u for t in inputs for u in (runs[t] if t >= regular_ids else [t])]
+    # Every sentinel replaced at least one token.
+    assert all(
+      b < regular_ids for a, b in zip(targets, targets[1:] + [regular_ids]) if a >= regular_ids
+    )
+    segment = span_sentinels.put_back(inputs, targets, regular_ids)
     assert segment == stream[position : position + 23]
     position, corrupted = position + 23, corrupted + len(targets) - len(sentinels)
   # 880 tokens that may be corrupted, each with probability 0.15: 132 expected, 11 the
