@@ -390,6 +390,14 @@ def _pretrain_whole_segments(objective: str) -> str:
   )
 
 
+# ... and under i.i.d. replace-spans, whose inputs keep a sentinel per run: 104 + 56 slots.
+PRETRAIN_IID_REPLACE_SPANS = (
+  " --gin.MIXTURE_OR_TASK_NAME=\"'local_unlabeled_iid_replace_spans'\" --gin.TRAIN_STEPS=3000"
+  " --gin.TASK_FEATURE_LENGTHS=\"{'inputs': 104, 'targets': 56}\""
+  " --gin.MODEL_DIR=./runs/recipes/pretrained_iid_replace_spans_3k"
+)
+
+
 PRETRAIN_CONTINUED_COMMAND = (
   "python -m t5x_lite.train --gin_file=recipes/pretrain_continued.gin --data_dir=../shared/data"
 )
@@ -494,6 +502,7 @@ def test_docs_give_the_commands_this_test_runs():
     PRETRAIN_COMMAND + _pretrain_whole_segments("deshuffling"),
     PRETRAIN_COMMAND + _pretrain_whole_segments("mass_style"),
     PRETRAIN_COMMAND + _pretrain_whole_segments("iid_denoising"),
+    PRETRAIN_COMMAND + PRETRAIN_IID_REPLACE_SPANS,
   ):
     assert command in page, command
   assert NEW_TASK_COMMAND + HOLDOUT in page
