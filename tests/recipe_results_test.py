@@ -16,9 +16,10 @@ sys.path.insert(0, os.path.join(REPO, "tools"))
 import recipe_results  # noqa: E402
 
 
-def _write_run(model_dir, best_value: float, final_value: float) -> None:
+def _write_run(
+  model_dir, best_value: float, final_value: float, metric: str = "task_a/accuracy"
+) -> None:
   os.makedirs(model_dir)
-  metric = "task_a/accuracy"
   with open(os.path.join(model_dir, "best.json"), "w") as f:
     json.dump({"metric": metric, "mode": "max", "best_step": 20, "best_value": best_value}, f)
   with open(os.path.join(model_dir, "final_metrics.json"), "w") as f:
@@ -48,6 +49,42 @@ def test_groups_give_mean_and_standard_error(tmp_path):
   )
   assert (
     "| pre | 2 | task_a/accuracy | 81.0 ± 1.0 (validation) | 79.0 ± 1.0 (test) | 3.0 |" in table
+  )
+
+
+def test_groups_of_one_metric_give_each_pairs_difference_in_standard_errors(tmp_path):
+  for name, best, final in (("a0", 80, 78), ("a1", 82, 80), ("b0", 77, 74), ("b1", 79, 74)):
+    _write_run(tmp_path / name, best, final)
+  _write_run(tmp_path / "other", 50.0, 50.0, metric="task_b/accuracy")
+  summary = recipe_results.run_summary
+  groups = [
+    ("a", [summary(str(tmp_path / "a0")), summary(str(tmp_path / "a1"))]),  # 81 ± 1, 79 ± 1
+    ("b", [summary(str(tmp_path / "b0")), summary(str(tmp_path / "b1"))]),  # 78 ± 1, 74 ± 0
+    ("one run", [summary(str(tmp_path / "a0"))]),  # 80, 78: no standard error
+    ("other task", [summary(str(tmp_path / "other"))]),
+  ]
+  table = recipe_results.differences_table(groups).splitlines()
+  # 3 / sqrt(1 + 1) = 2.1 standard errors; 5 / sqrt(1 + 0) = 5.0.
+  assert table[2] == "| a - b | +3.0, 2.1 SE (validation) | +5.0, 5.0 SE (test) |"
+  assert table[3] == "| a - one run | +1.0 (validation) | +1.0 (test) |"
+  assert table[4] == "| b - one run | -2.0 (validation) | -4.0 (test) |"
+  assert len(table) == 5  # the other task's group is compared with none
+  tool = [sys.executable, os.path.join(REPO, "tools", "recipe_results.py"), "--groups"]
+  # A pattern stands for the directories it matches (a0, a1), as the shell would expand it.
+  groups = [
+    f"x={tmp_path / 'a0'},{tmp_path / 'a1'}",
+    f"y={tmp_path / 'a?'}",
+    f"z={tmp_path / 'b*'}",
+  ]
+  result = subprocess.run(tool + groups, capture_output=True, text=True)
+  assert result.returncode == 0, result.stderr
+  assert "| y | 2 | task_a/accuracy | 81.0 ± 1.0 (validation) |" in result.stdout
+  assert "| x - y | +0.0, 0.0 SE (validation) | +0.0, 0.0 SE (test) |" in result.stdout
+  assert "| x - z | +3.0, 2.1 SE (validation) | +5.0, 5.0 SE (test) |" in result.stdout
+  result = subprocess.run(tool + [f"w={tmp_path / 'c*'}"], capture_output=True, text=True)
+  assert result.returncode == 1
+  assert result.stderr.strip() == (
+    f"ERROR: --groups 'w={tmp_path}/c*': '{tmp_path}/c*' matches no directory."
   )
 
 

@@ -509,6 +509,41 @@ def test_docs_give_the_commands_this_test_runs():
   assert _MY_TASK_GIN.strip() in (REPO / "docs/recipes.md").read_text()
 
 
+def test_the_objectives_tables_statistics_come_from_its_result_files():
+  """The page's command for the ABC objectives table runs as written on the committed
+  result files, and each group's mean ± standard error is the one in the table's row
+  that names the group's runs."""
+  page = (REPO / "docs/recipes.md").read_text()
+  command = re.search(
+    r"^python tools/recipe_results\.py --groups \\\n(?:  .*\\\n)*  .*abc_news_programme_scratch.*$",
+    page,
+    flags=re.M,
+  )
+  assert command, "docs/recipes.md lost the objectives table's recipe_results command"
+  result = subprocess.run(
+    ["bash", "-c", command.group(0)], cwd=REPO, capture_output=True, text=True, timeout=300
+  )
+  assert result.returncode == 0, result.stderr[-2000:]
+  groups = re.findall(
+    r"^\| ([^|]+) \| (\d) \| abc_news_programme/accuracy \| ([\d.]+ ± [\d.]+) ",
+    result.stdout,
+    flags=re.M,
+  )
+  patterns = re.findall(r'"([^"=]+)=docs/results/recipes/([^"]+)"', command.group(0))
+  assert [label for label, _, _ in groups] == [label for label, _ in patterns] and len(groups) == 9
+  section = page.split("## The objectives at the recipes' size")[1].split("\n## ")[0]
+  table = [line for line in section.splitlines() if line.startswith("| ")]
+  for (label, runs, mean_and_error), (_, pattern) in zip(groups, patterns):
+    first_run = sorted((REPO / "docs/results/recipes").glob(pattern))[0].name
+    rows = [line for line in table if f"`{first_run}`" in line]
+    assert len(rows) == 1, (label, first_run)
+    assert mean_and_error in rows[0] and f"_s{int(runs) - 1}`" in rows[0], rows[0]
+  differences = re.findall(
+    r"^\| .+ - .+ \| [-+][\d.]+, [\d.]+ SE \(validation\) \|", result.stdout, flags=re.M
+  )
+  assert len(differences) == 9 * 8 // 2
+
+
 class _SizedVocabulary:
   """What the models' FLOP counts read of a vocabulary."""
 

@@ -12,7 +12,10 @@ the recipe's SELECTION_SPLIT, read from the run's config.gin), the final evaluat
 the best step (final_metrics.json), the minutes to the best step and in all
 (metrics.jsonl's `elapsed_s`), and the token slots trained on. With --groups:
 one row per label, the mean and standard error (sample standard deviation over
-sqrt(n)) of the validation and final values over its runs, e.g. two seeds. With
+sqrt(n)) of the validation and final values over its runs, e.g. two seeds (a
+directory may be a pattern, 'label=runs/recipes/sst2_s*'), then for each pair of
+groups of one metric the difference of their means and how many standard errors of
+the difference (the square root of the summed squared standard errors) it is. With
 --paired A B: whether run B's final score differs from run A's beyond the noise of
 sampling the test examples (a paired bootstrap over the examples both runs decoded in
 their final evaluation: the difference, its 95% interval and two-sided p-value). It
@@ -23,6 +26,7 @@ run directory without these files is reported in one `ERROR:` line.
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import math
 import os
@@ -150,6 +154,52 @@ def groups_table(groups: Sequence[tuple[str, Sequence[dict[str, Any]]]]) -> str:
   return "\n".join(rows)
 
 
+def _difference(a: tuple[float, float], b: tuple[float, float]) -> str:
+  """`a` - `b` of two (mean, standard error) pairs, and how many standard errors of the
+  difference (sqrt(se_a**2 + se_b**2)) it is: the difference alone where a group of one
+  run has no standard error, '-' where a group has no value."""
+  difference, error = a[0] - b[0], math.hypot(a[1], b[1])
+  if math.isnan(difference):
+    return "-"
+  if math.isnan(error):
+    return f"{difference:+.1f}"
+  if error == 0:
+    return f"{difference:+.1f}, no spread"
+  return f"{difference:+.1f}, {abs(difference) / error:.1f} SE"
+
+
+def differences_table(groups: Sequence[tuple[str, Sequence[dict[str, Any]]]]) -> str:
+  """One markdown row per pair of groups of the same metric, in the order given: the
+  difference of their means, validation and final, each with how many standard errors
+  of the difference it is. A difference beyond about two is beyond the noise the seeds
+  show."""
+  rows = [
+    "| groups | best, difference (split that chose it) | final, difference (split) |",
+    "|---|---|---|",
+  ]
+  stats = []
+  for label, summaries in groups:
+    finals = [s["final"] for s in summaries if s["final"] is not None]
+    stats.append(
+      (
+        label,
+        mean_and_error([s["validation"] for s in summaries]),
+        mean_and_error(finals or [math.nan]),
+        summaries[0],
+      )
+    )
+  for i, (label_a, validation_a, final_a, first) in enumerate(stats):
+    for label_b, validation_b, final_b, other in stats[i + 1 :]:
+      if other["metric"] != first["metric"]:
+        continue
+      rows.append(
+        f"| {label_a} - {label_b} | {_difference(validation_a, validation_b)} "
+        f"({first['selection_split']}) | {_difference(final_a, final_b)} "
+        f"({first['final_split']}) |"
+      )
+  return "\n".join(rows)
+
+
 def final_inferences(model_dir: str) -> tuple[str, list[dict[str, Any]]]:
   """(metric name, decoded examples) of a run's final evaluation: the records of
   `final_eval/inferences/<task>-step_<step>.jsonl`, in the task's order."""
@@ -254,12 +304,30 @@ def paired_line(dir_a: str, dir_b: str, samples: int = 1000) -> str:
   )
 
 
+def _expanded(patterns: Sequence[str], group: str) -> list[str]:
+  """The run directories of a --groups entry: each pattern with a wildcard (`*`, `?`,
+  `[...]`) expanded in sorted order, as the shell would (it cannot inside quotes)."""
+  dirs = []
+  for pattern in patterns:
+    if not any(c in pattern for c in "*?["):
+      dirs.append(pattern)
+      continue
+    matches = sorted(glob.glob(pattern))
+    if not matches:
+      raise ValueError(f"--groups {group!r}: {pattern!r} matches no directory.")
+    dirs += matches
+  return dirs
+
+
 def main(argv: Sequence[str] | None = None) -> None:
   """Command-line entry point; a bad input exits with one `ERROR:` line."""
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("model_dirs", nargs="*", help="finished recipe MODEL_DIRs")
   parser.add_argument(
-    "--groups", nargs="*", default=[], help="'label=dir1,dir2,...': mean and standard error"
+    "--groups",
+    nargs="*",
+    default=[],
+    help="'label=dir1,dir2,...' (or 'label=runs/x_s*'): mean and standard error",
   )
   parser.add_argument(
     "--paired",
@@ -282,8 +350,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         label, sep, dirs = group.partition("=")
         if not sep or not dirs:
           raise ValueError(f"--groups {group!r}: expected 'label=dir1,dir2,...'.")
-        parsed.append((label, [run_summary(d) for d in dirs.split(",")]))
+        parsed.append((label, [run_summary(d) for d in _expanded(dirs.split(","), group)]))
       print(groups_table(parsed))
+      differences = differences_table(parsed)
+      if differences.count("\n") > 1:
+        print()
+        print(differences)
   except (OSError, ValueError, KeyError) as e:
     errors.fail(str(e))
 
