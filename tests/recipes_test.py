@@ -509,39 +509,67 @@ def test_docs_give_the_commands_this_test_runs():
   assert _MY_TASK_GIN.strip() in (REPO / "docs/recipes.md").read_text()
 
 
-def test_the_objectives_tables_statistics_come_from_its_result_files():
-  """The page's command for the ABC objectives table runs as written on the committed
-  result files, and each group's mean ± standard error is the one in the table's row
-  that names the group's runs."""
+def _documented_groups(last_group: str) -> tuple[str, list[tuple[str, str, str, str]]]:
+  """Runs the `recipe_results.py --groups` command of docs/recipes.md whose last group
+  mentions `last_group`, as written, from the repository root; returns the page and
+  each group's (label, runs, best mean ± SE, final mean ± SE), checking the table of
+  differences has a row for every pair."""
   page = (REPO / "docs/recipes.md").read_text()
   command = re.search(
-    r"^python tools/recipe_results\.py --groups \\\n(?:  .*\\\n)*  .*abc_news_programme_scratch.*$",
+    r"^python tools/recipe_results\.py --groups \\\n(?:  .*\\\n)*  .*"
+    + re.escape(last_group)
+    + ".*$",
     page,
     flags=re.M,
   )
-  assert command, "docs/recipes.md lost the objectives table's recipe_results command"
+  assert command, f"docs/recipes.md lost its recipe_results command ending with {last_group}"
   result = subprocess.run(
     ["bash", "-c", command.group(0)], cwd=REPO, capture_output=True, text=True, timeout=300
   )
   assert result.returncode == 0, result.stderr[-2000:]
   groups = re.findall(
-    r"^\| ([^|]+) \| (\d) \| abc_news_programme/accuracy \| ([\d.]+ ± [\d.]+) ",
+    r"^\| ([^|]+) \| (\d) \| [\w/]+ \| ([\d.]+ ± [\d.]+) \([^)]+\) \| ([\d.]+ ± [\d.]+) ",
     result.stdout,
     flags=re.M,
   )
-  patterns = re.findall(r'"([^"=]+)=docs/results/recipes/([^"]+)"', command.group(0))
-  assert [label for label, _, _ in groups] == [label for label, _ in patterns] and len(groups) == 9
+  labels = re.findall(r'^  "([^"=]+)=', command.group(0), flags=re.M)
+  assert [label for label, *_ in groups] == labels
+  pairs = re.findall(r"^\| .+ - .+ \| [-+][\d.]+, [\d.]+ SE ", result.stdout, flags=re.M)
+  metrics = re.findall(r"^\| [^|]+ \| \d \| ([\w/]+) \|", result.stdout, flags=re.M)
+  same = sum(a == b for i, a in enumerate(metrics) for b in metrics[i + 1 :])
+  assert len(pairs) == same > 0
+  return page, groups
+
+
+def test_the_objectives_tables_statistics_come_from_its_result_files():
+  """Each group's mean ± standard error is the one in the objectives table's row that
+  names the group's runs."""
+  page, groups = _documented_groups("abc_news_programme_scratch")
+  assert len(groups) == 9
   section = page.split("## The objectives at the recipes' size")[1].split("\n## ")[0]
   table = [line for line in section.splitlines() if line.startswith("| ")]
-  for (label, runs, mean_and_error), (_, pattern) in zip(groups, patterns):
+  command = section.split("python tools/recipe_results.py --groups")[1].split("```")[0]
+  patterns = re.findall(r'=docs/results/recipes/([^"]+)"', command)
+  for (label, runs, best, _), pattern in zip(groups, patterns, strict=True):
     first_run = sorted((REPO / "docs/results/recipes").glob(pattern))[0].name
     rows = [line for line in table if f"`{first_run}`" in line]
     assert len(rows) == 1, (label, first_run)
-    assert mean_and_error in rows[0] and f"_s{int(runs) - 1}`" in rows[0], rows[0]
-  differences = re.findall(
-    r"^\| .+ - .+ \| [-+][\d.]+, [\d.]+ SE \(validation\) \|", result.stdout, flags=re.M
-  )
-  assert len(differences) == 9 * 8 // 2
+    assert best in rows[0] and f"_s{int(runs) - 1}`" in rows[0], rows[0]
+
+
+def test_the_results_tables_statistics_come_from_its_result_files():
+  """Each group's final mean ± standard error is in a row of the results table for its
+  task, and so is the best steps' where the validation split chose them."""
+  page, groups = _documented_groups("scitldr_6k_s2")
+  assert len(groups) == 16
+  section = page.split("\n## Results")[1].split("\n## ")[0]
+  table = [line for line in section.splitlines() if line.startswith("| ")]
+  for label, _, best, final in groups:
+    task = label.split()[0]
+    rows = [line for line in table if line.startswith(f"| {task}")]
+    assert any(final in row for row in rows), (label, final)
+    if "held out" not in label:
+      assert any(best in row and final in row for row in rows), (label, best)
 
 
 class _SizedVocabulary:
