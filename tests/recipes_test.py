@@ -396,6 +396,11 @@ PRETRAIN_IID_REPLACE_SPANS = (
   " --gin.TASK_FEATURE_LENGTHS=\"{'inputs': 104, 'targets': 56}\""
   " --gin.MODEL_DIR=./runs/recipes/pretrained_iid_replace_spans_3k"
 )
+# The architectures at the recipes' size: span corruption with the layers shared.
+PRETRAIN_SHARED = (
+  " --gin.TRAIN_STEPS=3000 --gin.T5Config.share_encoder_decoder=True"
+  " --gin.MODEL_DIR=./runs/recipes/pretrained_shared_3k"
+)
 
 
 PRETRAIN_CONTINUED_COMMAND = (
@@ -503,6 +508,7 @@ def test_docs_give_the_commands_this_test_runs():
     PRETRAIN_COMMAND + _pretrain_whole_segments("mass_style"),
     PRETRAIN_COMMAND + _pretrain_whole_segments("iid_denoising"),
     PRETRAIN_COMMAND + PRETRAIN_IID_REPLACE_SPANS,
+    PRETRAIN_COMMAND + PRETRAIN_SHARED,
   ):
     assert command in page, command
   assert NEW_TASK_COMMAND + HOLDOUT in page
@@ -541,20 +547,29 @@ def _documented_groups(last_group: str) -> tuple[str, list[tuple[str, str, str, 
   return page, groups
 
 
-def test_the_objectives_tables_statistics_come_from_its_result_files():
-  """Each group's mean ± standard error is the one in the objectives table's row that
-  names the group's runs."""
-  page, groups = _documented_groups("abc_news_programme_scratch")
-  assert len(groups) == 9
-  section = page.split("## The objectives at the recipes' size")[1].split("\n## ")[0]
+def _check_abc_table(section_title: str, last_group: str, num_groups: int) -> None:
+  """Runs the section's `recipe_results.py --groups` command and checks each group's mean ±
+  standard error is the one in the section's table row that names the group's runs."""
+  page, groups = _documented_groups(last_group)
+  assert len(groups) == num_groups
+  section = page.split(f"## {section_title}")[1].split("\n## ")[0]
   table = [line for line in section.splitlines() if line.startswith("| ")]
   command = section.split("python tools/recipe_results.py --groups")[1].split("```")[0]
+  assert last_group in command, f"{section_title}: the command is not this section's"
   patterns = re.findall(r'=docs/results/recipes/([^"]+)"', command)
   for (label, runs, best, _), pattern in zip(groups, patterns, strict=True):
     first_run = sorted((REPO / "docs/results/recipes").glob(pattern))[0].name
     rows = [line for line in table if f"`{first_run}`" in line]
     assert len(rows) == 1, (label, first_run)
     assert best in rows[0] and f"_s{int(runs) - 1}`" in rows[0], rows[0]
+
+
+def test_the_objectives_tables_statistics_come_from_its_result_files():
+  _check_abc_table("The objectives at the recipes' size", "abc_news_programme_scratch", 9)
+
+
+def test_the_architectures_tables_statistics_come_from_its_result_files():
+  _check_abc_table("The architectures at the recipes' size", "abc_news_programme_shared_3k", 4)
 
 
 def test_the_results_tables_statistics_come_from_its_result_files():
