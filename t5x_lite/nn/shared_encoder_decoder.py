@@ -1,11 +1,12 @@
 """The T5 paper's encoder-decoder with shared parameters (section 3.2.2, Table 2).
 
 "Encoder-decoder, shared": the encoder's and the decoder's layers share their
-parameters, so the model has the parameter count of one stack (P) and the compute
-of two (2M FLOPs per token). Layer i of the decoder uses layer i of the encoder's
-self-attention, MLP, their two pre-norms and (with `adapter_dim`) its adapter; what
-only the decoder has stays its own: cross-attention and its pre-norm, the causal
-relative position bias, the final norm and the logits.
+parameters, so the model has the parameter count of one stack (the paper's P, where
+the unshared model has 2P) and the compute of both (M FLOPs per token, as unshared).
+Layer i of the decoder uses layer i of the encoder's self-attention, MLP, their two
+pre-norms and (with `adapter_dim`) its adapter; what only the decoder has stays its
+own: cross-attention and its pre-norm, the causal relative position bias, the final
+norm and the logits.
 
 `SharedTransformer` is `network.Transformer` with its params mapped
 (`nn.map_variables`): the stored tree lacks the decoder's shared entries, and every
