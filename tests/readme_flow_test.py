@@ -276,7 +276,7 @@ def _user_env() -> dict[str, str]:
   JAX persistent compilation cache (`tests/conftest.py`, every program cached), so the
   many commands that compile the same tiny programs compile each once per machine (a
   cache hit loads the executable the compiler produced for the identical program), and
-  the suite's fast-compiling XLA flag (`xla_flags.FAST_COMPILE`).
+  the suite's fast-compiling XLA flags (`xla_flags.FAST_COMPILE`).
   """
   env = {
     k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS", "PYTHONPATH")
