@@ -1,8 +1,8 @@
 """XLA flags of the test session and of the entry points and tools its tests start.
 
 Every program the suite compiles is a tiny model run for a few steps, so compiling
-is most of a test's time. `FAST_COMPILE` makes XLA's CPU backend compile sooner and
-run slower:
+is most of a test's time. `FAST_COMPILE` makes XLA's CPU backend compile sooner, at
+the cost of slower code:
 
 - `--xla_backend_optimization_level=0`: machine code without LLVM's optimisation passes;
 - `--xla_cpu_use_fusion_emitters=false`: fusions emitted by XLA's elemental IR
