@@ -18,7 +18,8 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from t5x_lite.core.types import Array, PyTree
-from t5x_lite.nn.network import Decoder, T5Config, token_embedder
+from t5x_lite.nn import param_init
+from t5x_lite.nn.network import batched_init, Decoder, T5Config, token_embedder
 
 
 class DecoderOnlyTransformer(nn.Module):
@@ -98,7 +99,11 @@ class DecoderOnlyTransformer(nn.Module):
 def init_params(config: T5Config, rng: Array) -> PyTree:
   """Boxed initial params of `DecoderOnlyTransformer(config)` (`nn.LogicallyPartitioned` leaves)."""
   tokens = jnp.ones((1, 1), jnp.int32)  # [batch, length]
-  variables = DecoderOnlyTransformer(config=config).init(
-    {'params': rng, 'dropout': rng}, tokens, tokens, enable_dropout=False
+  return param_init.init_params(
+    DecoderOnlyTransformer(config=config),
+    rng,
+    tokens,
+    tokens,
+    enable_dropout=False,
+    batched=batched_init(config),
   )
-  return variables['params']

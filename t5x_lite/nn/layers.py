@@ -25,6 +25,7 @@ import numpy as np
 from t5x_lite.core.types import Array, DType, Initializer, PyTree, Shape
 from t5x_lite.kernels import reference
 from t5x_lite.kernels.base import Kernels
+from t5x_lite.nn import param_init
 
 # Additive bias used to mask out attention logits (finite, so fully masked rows stay finite).
 MASK_BIAS = -1e10
@@ -59,7 +60,8 @@ def partitioned_param(
 ) -> Array:
   """`module.param(name, ...)`, created with the logical axis names `axes` (the
   partitioning's), returned unboxed."""
-  boxed = module.param(name, nn.with_logical_partitioning(init, axes), shape, dtype)
+  deferred = param_init.deferrable(init)
+  boxed = module.param(name, nn.with_logical_partitioning(deferred, axes), shape, dtype)
   return cast(Array, boxed)  # `param` unboxes the nn.LogicallyPartitioned it creates
 
 

@@ -22,7 +22,7 @@ from t5x_lite.core.errors import ConfigError
 from t5x_lite.core.types import Array, PyTree
 from t5x_lite.kernels import registry
 from t5x_lite.kernels.base import PaddingLengths
-from t5x_lite.nn import blocks, layers
+from t5x_lite.nn import blocks, layers, param_init
 from t5x_lite.nn.attention import CacheMode
 
 # The names every dtype field of T5Config accepts.
@@ -587,10 +587,21 @@ def init_params(config: T5Config, rng: Array) -> PyTree:
   No parameter depends on sequence lengths, so one-token inputs initialise them all.
   """
   tokens = jnp.ones((1, 1), jnp.int32)  # [batch, length]
-  variables = Transformer(config=config).init(
-    {"params": rng, "dropout": rng}, tokens, tokens, tokens, enable_dropout=False
+  return param_init.init_params(
+    Transformer(config=config),
+    rng,
+    tokens,
+    tokens,
+    tokens,
+    enable_dropout=False,
+    batched=batched_init(config),
   )
-  return variables["params"]
+
+
+def batched_init(config: T5Config) -> bool:
+  """Whether `param_init.init_params` may batch the draws of `config`'s network: not
+  under the lifted transforms that fold the key again inside it (`nn.scan`, `nn.remat`)."""
+  return not config.scan_layers and config.remat_policy == 'none'
 
 
 def adapter_params(params: PyTree) -> dict[str, PyTree]:

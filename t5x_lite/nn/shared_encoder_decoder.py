@@ -21,7 +21,8 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from t5x_lite.core.types import Array, PyTree
-from t5x_lite.nn.network import T5Config, Transformer
+from t5x_lite.nn import param_init
+from t5x_lite.nn.network import batched_init, T5Config, Transformer
 
 # Encoder layer sub-tree -> the decoder layer's sub-tree that reuses it.
 SHARED = {
@@ -98,7 +99,12 @@ Same attributes and methods (`encode`, `decode`, `__call__`); its params are
 def init_params(config: T5Config, rng: Array) -> PyTree:
   """Boxed initial params of `SharedTransformer(config)` (`nn.LogicallyPartitioned` leaves)."""
   tokens = jnp.ones((1, 1), jnp.int32)  # [batch, length]
-  variables = SharedTransformer(config=config).init(
-    {'params': rng, 'dropout': rng}, tokens, tokens, tokens, enable_dropout=False
+  return param_init.init_params(
+    SharedTransformer(config=config),
+    rng,
+    tokens,
+    tokens,
+    tokens,
+    enable_dropout=False,
+    batched=batched_init(config),
   )
-  return variables['params']
