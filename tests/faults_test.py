@@ -21,7 +21,6 @@ import hashlib
 import json
 import os
 import re
-import resource
 import shutil
 import socket
 import subprocess
@@ -131,10 +130,13 @@ def _train_args(model_dir: Path, steps: int, *extra: str, task: str = "faults_go
   ]
 
 
-def _start(workdir: Path, module: str, args: list, log: Path, **kwargs) -> subprocess.Popen:
+def _start(
+  workdir: Path, module: str, args: list, log: Path, launcher: list | None = None, **kwargs
+) -> subprocess.Popen:
+  """`python -m module args`, or `launcher module args`, its output in `log`."""
   with open(log, "w") as f:
     return subprocess.Popen(
-      [sys.executable, "-m", module, *args],
+      [*(launcher or [sys.executable, "-m"]), module, *args],
       cwd=workdir,
       env=_ENV,
       stdout=f,
@@ -144,8 +146,14 @@ def _start(workdir: Path, module: str, args: list, log: Path, **kwargs) -> subpr
 
 
 def _run(workdir: Path, module: str, args: list, **kwargs) -> tuple[int, str]:
+  return _run_command(workdir, None, module, args, **kwargs)
+
+
+def _run_command(
+  workdir: Path, launcher: list | None, module: str, args: list, **kwargs
+) -> tuple[int, str]:
   log = workdir / f"{module}.{time.monotonic_ns()}.log"
-  process = _start(workdir, module, args, log, **kwargs)
+  process = _start(workdir, module, args, log, launcher, **kwargs)
   try:
     returncode = process.wait(timeout=600)
   finally:
@@ -244,13 +252,6 @@ def test_a_second_writer_is_refused_and_a_stale_lock_is_taken_over(workdir, mode
 # ------------------------------------------------------------------ full disk
 
 
-def _limit_file_size(limit: int):
-  def preexec() -> None:
-    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
-
-  return preexec
-
-
 def _largest_file(directory: Path) -> int:
   return max(os.path.getsize(p) for p in directory.rglob("*") if p.is_file())
 
@@ -266,12 +267,16 @@ def test_a_full_disk_during_a_save_keeps_the_last_step(workdir, model_dir, faili
   iterator, params = (_largest_file(model_dir / "5" / item) for item in ("data_iterator", "params"))
   assert iterator < params
   limit = iterator // 2 if failing == "data_iterator" else (iterator + params) // 2
+  # As a user would: `ulimit -f` (1,024-byte blocks) in the shell that starts training.
+  # (A `preexec_fn` would fork this multithreaded process, which can deadlock the child.)
+  blocks = limit // 1024
+  assert 0 < blocks * 1024 < iterator, (blocks, iterator)
   before = _committed(model_dir)
-  returncode, output = _run(
+  returncode, output = _run_command(
     workdir,
+    ["bash", "-c", f'ulimit -f {blocks} && exec "$@"', "bash", sys.executable, "-m"],
     "t5x_lite.train",
     _train_args(model_dir, 10),
-    preexec_fn=_limit_file_size(limit),
   )
   line = _assert_one_error(returncode, output, str(model_dir / "10"), "step 5")
   assert "File too large" in line, line
