@@ -19,7 +19,7 @@ import jax.numpy as jnp
 
 from t5x_lite.core.types import Array, PyTree
 from t5x_lite.nn import param_init
-from t5x_lite.nn.network import batched_init, Decoder, T5Config, token_embedder
+from t5x_lite.nn.network import Decoder, T5Config, token_embedder
 
 
 class DecoderOnlyTransformer(nn.Module):
@@ -105,5 +105,4 @@ def init_params(config: T5Config, rng: Array) -> PyTree:
     tokens,
     tokens,
     enable_dropout=False,
-    batched=batched_init(config),
   )

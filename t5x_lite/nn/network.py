@@ -594,14 +594,7 @@ def init_params(config: T5Config, rng: Array) -> PyTree:
     tokens,
     tokens,
     enable_dropout=False,
-    batched=batched_init(config),
   )
-
-
-def batched_init(config: T5Config) -> bool:
-  """Whether `param_init.init_params` may batch the draws of `config`'s network: not
-  under the lifted transforms that fold the key again inside it (`nn.scan`, `nn.remat`)."""
-  return not config.scan_layers and config.remat_policy == 'none'
 
 
 def adapter_params(params: PyTree) -> dict[str, PyTree]:

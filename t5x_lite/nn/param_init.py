@@ -17,9 +17,9 @@ the zeros' place. threefry is elementwise over keys and counters, so batching th
 changes no bit (`tests/param_init_test.py` checks every architecture against flax's
 own `init`).
 
-Lifted transforms that split or fold the key again inside the network (`nn.scan` over
-layers, `nn.remat`) take the plain per-parameter path (`batched=False`); a stand-in
-key that reaches anything but one fold-in and a deferrable initialiser raises.
+A module that creates parameters inside a lifted transform (`nn.scan` over layers,
+`nn.remat`: each traces its body apart) gets flax's own per-parameter init; a random
+draw from the stand-in key anywhere but in a deferrable initialiser raises.
 """
 
 import contextvars
@@ -33,6 +33,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.extend import core as jex_core
 from jax.extend import random as jex_random
 
 from t5x_lite.core.types import Array, Initializer, PyTree
@@ -43,6 +44,17 @@ def _unsupported(*_: Any) -> Array:
     'param_init: a parameter initialiser drew from the recording key; create parameters '
     'through layers.partitioned_param (param_init.deferrable), or pass batched=False'
   )
+
+
+class _InsideLiftedTransform(Exception):
+  """A parameter created in a trace of its own (`nn.scan`, `nn.remat`, ...), or the key
+  split for one: its zeros would reach the params tree as that transform's outputs, out
+  of the draw's reach."""
+
+
+def _split(key_data: Array, shape: tuple[int, ...]) -> Array:
+  """Splitting the stand-in key is what `nn.scan`'s `split_rngs` does: a lifted transform."""
+  raise _InsideLiftedTransform
 
 
 def _record_fold_in(key_data: Array, data: Array | int) -> Array:
@@ -56,7 +68,7 @@ def _record_fold_in(key_data: Array, data: Array | int) -> Array:
 _RECORDING_KEY = jex_random.define_prng_impl(
   key_shape=(1,),
   seed=lambda seed: jnp.zeros((1,), jnp.uint32),
-  split=_unsupported,
+  split=_split,
   random_bits=_unsupported,
   fold_in=_record_fold_in,
   name='t5x_lite_param_init_recording',
@@ -78,6 +90,7 @@ class _Draw:
 
 @dataclasses.dataclass
 class _Recording:
+  trace: Any  # the trace `init_params` was called in (`get_opaque_trace_state`)
   draws: list[_Draw] = dataclasses.field(default_factory=list)
   shapes: dict[Hashable, jax.ShapeDtypeStruct] = dataclasses.field(default_factory=dict)
 
@@ -157,6 +170,8 @@ def deferrable(init: Initializer) -> Initializer:
     recording = _RECORDING.get()
     if recording is None or not _is_recording_key(key):
       return init(key, *args, **kwargs)
+    if jex_core.get_opaque_trace_state() != recording.trace:
+      raise _InsideLiftedTransform
     signature = _signature(init, args, kwargs)
     if signature not in recording.shapes:
       recording.shapes[signature] = jax.eval_shape(
@@ -199,15 +214,18 @@ def init_params(
 
   With `batched`, the same values from one batched draw (the module docstring): every
   parameter that draws random values must be created through a `deferrable`
-  initialiser, and stored as that initialiser returned it.
+  initialiser, and stored as that initialiser returned it. A parameter created inside
+  a lifted transform makes it flax's per-parameter init instead.
   """
   if not batched:
     return module.init({'params': rng, 'dropout': rng}, *args, **kwargs)['params']
-  state = _Recording()
+  state = _Recording(trace=jex_core.get_opaque_trace_state())
   token = _RECORDING.set(state)
   try:
     key = jax.random.wrap_key_data(jnp.zeros((1,), jnp.uint32), impl=_RECORDING_KEY)
     params = module.init({'params': key, 'dropout': key}, *args, **kwargs)['params']
+  except _InsideLiftedTransform:
+    return init_params(module, rng, *args, batched=False, **kwargs)
   finally:
     _RECORDING.reset(token)
   # Draws whose parameter the module dropped (`nn.map_variables`, as the shared

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 
 from t5x_lite.core.types import Array, PyTree
 from t5x_lite.nn import param_init
-from t5x_lite.nn.network import batched_init, T5Config, Transformer
+from t5x_lite.nn.network import T5Config, Transformer
 
 # Encoder layer sub-tree -> the decoder layer's sub-tree that reuses it.
 SHARED = {
@@ -106,5 +106,4 @@ def init_params(config: T5Config, rng: Array) -> PyTree:
     tokens,
     tokens,
     enable_dropout=False,
-    batched=batched_init(config),
   )
