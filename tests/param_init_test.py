@@ -110,7 +110,7 @@ class _Bypass(nn.Module):
 
 def test_a_parameter_outside_deferrable_initialisers_raises():
   for transform in (lambda f: f, jax.jit):
-    with pytest.raises(NotImplementedError, match='partitioned_param'):
+    with pytest.raises(param_init.RecordingKeyDrawError, match='partitioned_param'):
       transform(lambda r: param_init.init_params(_Bypass(), r, jnp.ones((2, 3))))(
         jax.random.PRNGKey(0)
       )

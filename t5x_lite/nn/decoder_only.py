@@ -100,9 +100,5 @@ def init_params(config: T5Config, rng: Array) -> PyTree:
   """Boxed initial params of `DecoderOnlyTransformer(config)` (`nn.LogicallyPartitioned` leaves)."""
   tokens = jnp.ones((1, 1), jnp.int32)  # [batch, length]
   return param_init.init_params(
-    DecoderOnlyTransformer(config=config),
-    rng,
-    tokens,
-    tokens,
-    enable_dropout=False,
+    DecoderOnlyTransformer(config=config), rng, tokens, tokens, enable_dropout=False
   )

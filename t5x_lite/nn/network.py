@@ -588,12 +588,7 @@ def init_params(config: T5Config, rng: Array) -> PyTree:
   """
   tokens = jnp.ones((1, 1), jnp.int32)  # [batch, length]
   return param_init.init_params(
-    Transformer(config=config),
-    rng,
-    tokens,
-    tokens,
-    tokens,
-    enable_dropout=False,
+    Transformer(config=config), rng, tokens, tokens, tokens, enable_dropout=False
   )
 
 

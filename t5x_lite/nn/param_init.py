@@ -39,8 +39,13 @@ from jax.extend import random as jex_random
 from t5x_lite.core.types import Array, Initializer, PyTree
 
 
-def _unsupported(*_: Any) -> Array:
-  raise NotImplementedError(
+class RecordingKeyDrawError(RuntimeError):
+  """Random values drawn from `init_params`' stand-in key: a parameter (or anything else
+  drawing from the 'params' or 'dropout' key at init) bypassed `deferrable`."""
+
+
+def _draw_from_recording_key(*_: Any) -> Array:
+  raise RecordingKeyDrawError(
     'param_init: a parameter initialiser drew from the recording key; create parameters '
     'through layers.partitioned_param (param_init.deferrable), or pass batched=False'
   )
@@ -70,7 +75,7 @@ _RECORDING_KEY = jex_random.define_prng_impl(
   key_shape=(1,),
   seed=lambda seed: jnp.zeros((1,), jnp.uint32),
   split=_split,
-  random_bits=_unsupported,
+  random_bits=_draw_from_recording_key,
   fold_in=_record_fold_in,
   name='t5x_lite_param_init_recording',
   tag='param_init_recording',
@@ -226,9 +231,11 @@ def init_params(
     key = jax.random.wrap_key_data(jnp.zeros((1,), jnp.uint32), impl=_RECORDING_KEY)
     params = module.init({'params': key, 'dropout': key}, *args, **kwargs)['params']
   except _InsideLiftedTransform:
-    return init_params(module, rng, *args, batched=False, **kwargs)
+    params = None
   finally:
     _RECORDING.reset(token)
+  if params is None:
+    return init_params(module, rng, *args, batched=False, **kwargs)
   # Draws whose parameter the module dropped (`nn.map_variables`, as the shared
   # encoder-decoder does with the decoder's copies) are not drawn at all.
   stored = {id(leaf) for leaf in jax.tree.leaves(params)}

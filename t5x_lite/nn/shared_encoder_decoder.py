@@ -100,10 +100,5 @@ def init_params(config: T5Config, rng: Array) -> PyTree:
   """Boxed initial params of `SharedTransformer(config)` (`nn.LogicallyPartitioned` leaves)."""
   tokens = jnp.ones((1, 1), jnp.int32)  # [batch, length]
   return param_init.init_params(
-    SharedTransformer(config=config),
-    rng,
-    tokens,
-    tokens,
-    tokens,
-    enable_dropout=False,
+    SharedTransformer(config=config), rng, tokens, tokens, tokens, enable_dropout=False
   )
