@@ -10,6 +10,9 @@ INSTALL_REQUIRES = [
   "gin-config>=0.5.0,<0.6",
   "jax>=0.10.2,<0.11",
   "jaxlib>=0.10.2,<0.11",
+  # 0.7.0 initialises its module far more slowly than 0.6.0, and every process that
+  # imports jax pays it (docs/testing.md).
+  "ml_dtypes>=0.5.1,<0.7",
   "numpy>=2.0,<3",
   "optax>=0.2.8,<0.3",
   "orbax-checkpoint>=0.12.8,<0.13",

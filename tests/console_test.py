@@ -241,3 +241,46 @@ def test_the_gpu_xla_flags_are_options_this_jaxlib_knows(flags):
   wrong = value.replace("+WHILE", "+LOOPS").replace("+FUSION", "+LOOPS")
   bad = _python(code, XLA_FLAGS=wrong, JAX_PLATFORMS="cpu")
   assert bad.returncode != 0  # so a bad value would have failed above
+
+
+_EXIT_CHILD = """
+import atexit, os, sys, threading, time
+from t5x_lite import cli
+from t5x_lite.core.errors import ConfigError
+
+
+class Teardown:
+  def __del__(self, write=os.write):  # bound now: the module's names are gone by then
+    write(1, b'module teardown\\n')
+
+
+KEEP = Teardown()  # a module global: only the interpreter's teardown deletes it
+atexit.register(lambda: sys.stdout.write('atexit handler\\n'))
+
+
+def main(argv):
+  sys.stdout.write('unflushed line\\n')  # a pipe: block-buffered, not flushed yet
+  writer = threading.Thread(target=lambda: (time.sleep(0.5), print('thread done')))
+  writer.start()  # non-daemon: exiting waits for it
+  if argv[1:] == ['fail']:
+    raise ConfigError('EVAL_STEPS must be at least 1')
+
+
+cli.run(main)
+"""
+
+
+@pytest.mark.parametrize("fail", [False, True], ids=["finished", "failed"])
+def test_fast_exit_keeps_output_threads_atexit_and_status_and_skips_only_teardown(fail):
+  def run(*flags: str) -> subprocess.CompletedProcess:
+    argv = [sys.executable, "-c", _EXIT_CHILD, *flags, *(["fail"] if fail else [])]
+    return subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=120)
+
+  expected = ["unflushed line", "thread done", "atexit handler"]
+  fast, normal = run(), run("--nofast_exit")
+  assert (fast.returncode, normal.returncode) == ((1, 1) if fail else (0, 0))
+  assert fast.stdout.splitlines() == expected  # no teardown: the global is never deleted
+  assert normal.stdout.splitlines() == [*expected, "module teardown"]
+  for result in (fast, normal):
+    errors = [line for line in result.stderr.splitlines() if line.startswith("ERROR")]
+    assert errors == (["ERROR: EVAL_STEPS must be at least 1"] if fail else [])

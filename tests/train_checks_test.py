@@ -76,6 +76,23 @@ def test_train_steps_below_the_restored_step_is_an_error():
     train_checks.check_resume("runs/x", 40, {}, _cfg(), total_steps=30)
 
 
+@pytest.mark.parametrize(
+  "value, least, needle",
+  [
+    ("abc", 0, "TRAIN_STEPS (train.total_steps) must be an integer of at least 0, got 'abc'"),
+    (-1, 0, "TRAIN_STEPS (train.total_steps) must be an integer of at least 0, got -1"),
+    (2.5, 0, "must be an integer of at least 0, got 2.5"),
+    (True, 0, "must be an integer of at least 0, got True"),
+    ("7", None, "TRAIN_STEPS (train.total_steps) must be an integer, got '7'"),
+  ],
+)
+def test_a_count_that_is_not_a_whole_number_names_the_binding(value, least, needle):
+  train_checks.check_counts(total_steps=(0, "TRAIN_STEPS", 0), random_seed=(-3, "SEED", None))
+  with pytest.raises(ConfigError) as e:
+    train_checks.check_counts(total_steps=(value, "TRAIN_STEPS", least))
+  assert needle in str(e.value)
+
+
 def test_a_batch_that_does_not_divide_over_the_data_axis_names_both():
   partitioner = partitioning.Partitioner()  # 8 devices (tests/conftest.py)
   with pytest.raises(ConfigError, match="BATCH_SIZE 12 .* data axis of 8 devices; use a multiple"):

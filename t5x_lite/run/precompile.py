@@ -462,6 +462,10 @@ def precompile_train_step(
       model, optimizer, pipeline.model_input_shapes(dataset_cfg), partitioner, num_microbatches
     )
   memory, error, xla_flops, xla_bytes = None, None, None, None
+  # JAX's persistent compilation cache cannot load a compile-only topology's executable
+  # back (it warns and compiles again), so the step is compiled without it.
+  cache_on = jax.config.jax_enable_compilation_cache  # pyright: ignore[reportAttributeAccessIssue]
+  jax.config.update("jax_enable_compilation_cache", False)
   try:
     compiled = lowered.compile()
   except jax.errors.JaxRuntimeError as e:
@@ -471,6 +475,8 @@ def precompile_train_step(
   else:
     memory = MemoryUse.from_compiled(compiled)
     xla_flops, xla_bytes = _xla_costs(compiled)
+  finally:
+    jax.config.update("jax_enable_compilation_cache", cache_on)
   return PrecompileReport(
     topology=topology,
     chips=len(devices),

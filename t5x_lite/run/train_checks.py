@@ -52,6 +52,22 @@ def check_outputs(model_dir: str, tensorboard_dirs: Sequence[str]) -> None:
     raise WriteError(problem)
 
 
+def check_counts(**counts: tuple[object, str, int | None]) -> None:
+  """Raises `ConfigError` naming the binding for a count that is not a whole number (at or
+  above its least value, where it has one).
+
+  Args:
+    **counts: {train argument: (value, gin binding a user sets it with, least value or
+      None)}, e.g. `total_steps=(total_steps, 'TRAIN_STEPS', 0)`.
+  """
+  for name, (value, binding, least) in counts.items():
+    if isinstance(value, int) and not isinstance(value, bool):
+      if least is None or value >= least:
+        continue
+    kind = "an integer" if least is None else f"an integer of at least {least}"
+    raise ConfigError(f"{binding} (train.{name}) must be {kind}, got {value!r}")
+
+
 def check_batch_size(cfg: pipeline.DatasetConfig, partitioner: partitioning.Partitioner) -> None:
   """Raises `ConfigError` unless BATCH_SIZE divides over the mesh's data axis."""
   if cfg.batch_size % partitioner.data_size:

@@ -542,6 +542,15 @@ def train(
   Returns:
     The final TrainState.
   """
+  train_checks.check_counts(
+    total_steps=(total_steps, "TRAIN_STEPS", 0),
+    eval_period=(eval_period, "EVAL_PERIOD", 0),
+    eval_steps=(eval_steps, "EVAL_STEPS", 1),
+    infer_eval_period=(infer_eval_period, "train.infer_eval_period", 0),
+    log_period=(log_period, "train.log_period", 1),
+    random_seed=(random_seed, "RANDOM_SEED", None),
+    num_microbatches=(num_microbatches, "train.num_microbatches", 1),
+  )
   if early_stopping is not None and infer_eval_period <= 0 and eval_period <= 0:
     raise ConfigError(
       "train.early_stopping needs periodic evaluations: set train.infer_eval_period (task "
