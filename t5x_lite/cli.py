@@ -9,7 +9,6 @@ T5X-style flags: --gin_file, --gin_bindings, --gin.NAME=VALUE and
                             multi-host: passed to jax.distributed.initialize
 
   --huge_pages              restart once with huge-page malloc (`console.restart_with_huge_pages`)
-  --nofast_exit             exit through Python's module teardown (`console.exit_without_teardown`)
 
 Nothing here changes the process on its own: the entry point's `console.quiet_startup()`
 call makes the start-up choices, `setup` logs them, and the kernels' XLA options travel
@@ -59,12 +58,6 @@ flags.DEFINE_bool(
   False,
   "Restart once with glibc.malloc.hugetlb=1 in GLIBC_TUNABLES (Linux, glibc 2.35+): "
   "faster CPU steps for large models, whose step buffers are re-faulted at every step.",
-)
-flags.DEFINE_bool(
-  "fast_exit",
-  True,
-  "Once the run is over and its files are closed, exit without Python's teardown of the "
-  "loaded modules (`console.exit_without_teardown`); --nofast_exit exits as Python does.",
 )
 
 
@@ -151,12 +144,7 @@ def run(main: Callable[[Sequence[str]], None], argv: Sequence[str] | None = None
       (logging.info if on else logging.warning)("--huge_pages: %s", state)
     main(argv)
 
-  try:
-    run_app(_gin_missing_bindings_as_config_error(main_after_restart), argv, lambda: FLAGS.verbose)
-  except SystemExit as e:  # absl's app.run ends every run with sys.exit
-    if FLAGS.is_parsed() and FLAGS.fast_exit:
-      console.exit_without_teardown(e.code)
-    raise
+  run_app(_gin_missing_bindings_as_config_error(main_after_restart), argv, lambda: FLAGS.verbose)
 
 
 def gin_entry_point(run: Callable[..., object]) -> Callable[[Sequence[str]], None]:

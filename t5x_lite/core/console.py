@@ -62,12 +62,13 @@ same without a restart.
 of chatty libraries and the warnings expected in normal use from absl's log
 (`_QuietLibraryInfo`); their other warnings and errors still show.
 
-`exit_without_teardown()`, which `t5x_lite.cli.run` calls when an entry point or tool
-ends (unless `--nofast_exit`), exits as `sys.exit` would: it waits for the threads
-Python would wait for, runs the `atexit` handlers and flushes the standard streams,
-then calls `os._exit`. It skips only Python's teardown of the objects still in memory,
-TensorFlow's and JAX's modules above all, which takes longer than a short run's own
-steps. An error that escapes as a traceback exits as Python does.
+`exit_without_teardown()`, which `t5x_lite.core.gin_config.run_app` (the entry points'
+and tools' `app.run`) calls when the run ends (unless `--nofast_exit`), exits as
+`sys.exit` would: it waits for the threads Python would wait for, runs the `atexit`
+handlers and flushes the standard streams, then calls `os._exit`. It skips only
+Python's teardown of the objects still in memory, TensorFlow's and JAX's modules above
+all, which takes longer than a short run's own steps. An error that escapes as a
+traceback exits as Python does.
 """
 
 from __future__ import annotations

@@ -12,9 +12,13 @@ T5X-style flags, defined here:
   --gin_search_paths=a,b    default: the repository's gin/ and gin/models/ (paths
                             relative to the working directory are tried first)
                             (so `include 't5_1_1/small.gin'` works)
+  --nofast_exit             exit through Python's teardown of the loaded modules
+                            (by default `run_app` skips it once the run is over:
+                            `t5x_lite.core.console.exit_without_teardown`)
 
-Imports only gin, absl, `t5x_lite.core.errors` and `t5x_lite.core.gin_refs` (reading the
-parsed configuration back; flag-free, so any layer may import it), so a tool that needs a
+Imports only gin, absl, `t5x_lite.core.errors`, `t5x_lite.core.console` (absl and the
+standard library) and `t5x_lite.core.gin_refs` (reading the parsed configuration back;
+flag-free, so any layer may import it), so a tool that needs a
 gin-configured network loads neither seqio, TensorFlow nor JAX through it. The entry
 points' other flags and their start-up are `t5x_lite.cli`.
 
@@ -35,7 +39,7 @@ import gin.config
 import gin.resource_reader as resource_reader
 from absl import app, flags
 
-from t5x_lite.core import errors
+from t5x_lite.core import console, errors
 from t5x_lite.core.errors import ConfigError
 from t5x_lite.core.gin_refs import resolved_macro
 
@@ -52,6 +56,12 @@ _GIN_SEARCH_PATHS = flags.DEFINE_list(
   "gin_search_paths",
   list(DEFAULT_GIN_SEARCH_PATHS),
   "Directories searched for --gin_file and gin `include`s.",
+)
+_FAST_EXIT = flags.DEFINE_bool(
+  "fast_exit",
+  True,
+  "Once the run is over and its files are closed, exit without Python's teardown of the "
+  "loaded modules (`console.exit_without_teardown`); --nofast_exit exits as Python does.",
 )
 
 
@@ -96,8 +106,9 @@ def run_app(
   argv: Sequence[str] | None = None,
   verbose: Callable[[], bool] = lambda: False,
 ) -> None:
-  """`absl.app.run(main)` with the `--gin.NAME=VALUE` shorthand rewritten and
-  `UserError`s (a bad shorthand included) reported as one `ERROR:` line.
+  """`absl.app.run(main)` with the `--gin.NAME=VALUE` shorthand rewritten,
+  `UserError`s (a bad shorthand included) reported as one `ERROR:` line, and the
+  process ended by `console.exit_without_teardown` unless `--nofast_exit`.
 
   Args:
     main: an absl `main(argv)`.
@@ -108,7 +119,12 @@ def run_app(
     argv = rewrite_gin_args(sys.argv if argv is None else argv)
   except ConfigError as e:
     errors.fail(str(e))
-  app.run(errors.reporting(main, verbose), argv=argv)
+  try:
+    app.run(errors.reporting(main, verbose), argv=argv)
+  except SystemExit as e:  # app.run ends every run with sys.exit
+    if flags.FLAGS.is_parsed() and _FAST_EXIT.value:
+      console.exit_without_teardown(e.code)
+    raise
 
 
 def _package_resource_exists(config_path: str) -> bool:
