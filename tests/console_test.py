@@ -244,7 +244,7 @@ def test_the_gpu_xla_flags_are_options_this_jaxlib_knows(flags):
 
 
 _EXIT_CHILD = """
-import atexit, os, sys, threading, time
+import atexit, concurrent.futures, os, sys, threading, time
 from t5x_lite import cli
 from t5x_lite.core.errors import ConfigError
 
@@ -255,11 +255,12 @@ class Teardown:
 
 
 KEEP = Teardown()  # a module global: only the interpreter's teardown deletes it
+POOL = concurrent.futures.ThreadPoolExecutor(2)  # never shut down: exiting stops its workers
 atexit.register(lambda: sys.stdout.write('atexit handler\\n'))
 
 
 def main(argv):
-  sys.stdout.write('unflushed line\\n')  # a pipe: block-buffered, not flushed yet
+  sys.stdout.write(f'unflushed line {POOL.submit(len, "abc").result()}\\n')  # a pipe: buffered
   writer = threading.Thread(target=lambda: (time.sleep(0.5), print('thread done')))
   writer.start()  # non-daemon: exiting waits for it
   if argv[1:] == ['fail']:
@@ -274,9 +275,9 @@ cli.run(main)
 def test_fast_exit_keeps_output_threads_atexit_and_status_and_skips_only_teardown(fail):
   def run(*flags: str) -> subprocess.CompletedProcess:
     argv = [sys.executable, "-c", _EXIT_CHILD, *flags, *(["fail"] if fail else [])]
-    return subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=120)
+    return subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=60)
 
-  expected = ["unflushed line", "thread done", "atexit handler"]
+  expected = ["unflushed line 3", "thread done", "atexit handler"]
   fast, normal = run(), run("--nofast_exit")
   assert (fast.returncode, normal.returncode) == ((1, 1) if fail else (0, 0))
   assert fast.stdout.splitlines() == expected  # no teardown: the global is never deleted

@@ -212,21 +212,22 @@ def exit_without_teardown(code: object = 0) -> NoReturn:
   """Ends an entry point that has finished its work as `sys.exit(code)` would, less the
   interpreter's teardown (`--fast_exit`, see the module docstring).
 
-  Joins the threads that Python's own exit would wait for (non-daemon ones), runs the
-  `atexit` handlers (JAX's backend and multi-host shutdown, absl's and logging's
-  flushes), flushes Python's and C's standard streams, then `os._exit`. What is
-  skipped is only the teardown of the modules and objects left in memory: TensorFlow's
-  and JAX's thousands of modules take longer to dismantle than a short run's own work.
+  Waits for the threads that Python's own exit would wait for (non-daemon ones, after
+  stopping idle `concurrent.futures` workers), runs the `atexit` handlers (JAX's
+  backend and multi-host shutdown, absl's and logging's flushes), flushes Python's and
+  C's standard streams, then calls `os._exit`. What is skipped is only the teardown of
+  the modules and objects left in memory: TensorFlow's and JAX's thousands of modules
+  take longer to dismantle than a short run's own steps.
 
   Args:
     code: `SystemExit.code`: None or an int is the exit status; anything else is
       printed on stderr and the status is 1.
   """
-  current = threading.current_thread()
-  for thread in threading.enumerate():
-    if thread is not current and not thread.daemon:
-      thread.join()
-  atexit._run_exitfuncs()  # noqa: SLF001 (what Py_Finalize runs first; no public name)
+  # What Python's own exit does first, neither with a public name: threading's exit
+  # hooks (concurrent.futures stops its idle workers there) and the wait for the
+  # non-daemon threads, then the atexit handlers.
+  threading._shutdown()  # noqa: SLF001  # pyright: ignore[reportAttributeAccessIssue]
+  atexit._run_exitfuncs()  # noqa: SLF001
   if code is None:
     status = 0
   elif isinstance(code, int):
