@@ -3,6 +3,7 @@ entry point)."""
 
 import os
 
+import numpy as np
 import pytest
 
 from t5x_lite.core import paths
@@ -52,6 +53,20 @@ def test_a_batch_size_below_one_names_the_binding(batch_size):
     ConfigError, match=f"gin BATCH_SIZE\\) must be a positive integer, got {batch_size}"
   ):
     _cfg(batch_size=batch_size)
+
+
+@pytest.mark.parametrize(
+  "lengths", ["abc", {"inputs": 0, "targets": 8}, {"inputs": 8.0}, {1: 8}, {"inputs": True}]
+)
+def test_feature_lengths_that_are_not_names_to_positive_integers_name_the_binding(lengths):
+  _cfg(task_feature_lengths=None)  # evaluation: the lengths come from the data
+  _cfg(task_feature_lengths={"targets": np.int64(160)})
+  with pytest.raises(ConfigError) as e:
+    _cfg(task_feature_lengths=lengths)
+  assert str(e.value).splitlines()[0] == (  # then gin's "In call to configurable" note
+    "DatasetConfig.task_feature_lengths (gin TASK_FEATURE_LENGTHS) must map feature names "
+    f"to positive integers, e.g. {{'inputs': 512, 'targets': 114}}; got {lengths!r}"
+  )
 
 
 def test_resuming_with_other_data_names_binding_checkpoint_and_request():

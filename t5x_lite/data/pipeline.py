@@ -159,12 +159,22 @@ class DatasetConfig:
   task_ids: tuple[str, ...] = ()
 
   def __post_init__(self) -> None:
-    """Fails early on a batch size below 1, an unknown task (naming the closest), or
-    task ids that are not tasks of the mixture."""
-    if not isinstance(self.batch_size, (int, np.integer)) or self.batch_size < 1:
+    """Fails early on a batch size below 1, feature lengths that are not a mapping of
+    names to positive integers (None: evaluation's lengths from the data), an unknown
+    task (naming the closest), or task ids that are not tasks of the mixture."""
+    if not _positive_int(self.batch_size):
       raise ConfigError(
         f"DatasetConfig.batch_size (gin BATCH_SIZE) must be a positive integer, got "
         f"{self.batch_size!r}"
+      )
+    lengths = self.task_feature_lengths
+    if lengths is not None and not (
+      isinstance(lengths, Mapping)
+      and all(isinstance(k, str) and _positive_int(v) for k, v in lengths.items())
+    ):
+      raise ConfigError(
+        "DatasetConfig.task_feature_lengths (gin TASK_FEATURE_LENGTHS) must map feature "
+        f"names to positive integers, e.g. {{'inputs': 512, 'targets': 114}}; got {lengths!r}"
       )
     if self.architecture not in network.ARCHITECTURES:
       raise ConfigError(
@@ -174,6 +184,11 @@ class DatasetConfig:
     provider = get_mixture_or_task(self.mixture_or_task_name)
     if self.task_ids:
       _check_task_ids(provider, tuple(self.task_ids), self.architecture)
+
+
+def _positive_int(value: object) -> bool:
+  """Whether `value` is a Python or numpy integer (not a bool) of at least 1."""
+  return isinstance(value, (int, np.integer)) and not isinstance(value, bool) and bool(value >= 1)
 
 
 def _check_task_ids(
